@@ -1,0 +1,194 @@
+//! `headwise bench`: prefill and decode speed and peak memory of the instrumented engine
+//! and of mistral.rs (same binary, same run), each measurement in a fresh process.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use clap::Args;
+use headwise::bench::{peak_rss_bytes, synthetic_notes, BenchRecord};
+use headwise::model::{generate, GenerateOptions, Interventions, LoadedModel, NoObserver};
+
+use super::ModelArgs;
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    /// Prompt lengths in tokens.
+    #[arg(long, value_delimiter = ',', default_value = "512,2048")]
+    prompt_tokens: Vec<usize>,
+    /// Tokens generated per measurement.
+    #[arg(long, default_value_t = 64)]
+    decode_tokens: usize,
+    /// Engines to measure.
+    #[arg(long, value_delimiter = ',', default_value = "instrumented,mistralrs")]
+    engines: Vec<String>,
+    #[command(flatten)]
+    model: ModelArgs,
+}
+
+#[derive(Args, Debug)]
+pub struct WorkerArgs {
+    #[arg(long)]
+    engine: String,
+    #[arg(long)]
+    prompt_tokens: usize,
+    #[arg(long)]
+    decode_tokens: usize,
+    #[command(flatten)]
+    model: ModelArgs,
+}
+
+pub fn run(args: BenchArgs) -> anyhow::Result<()> {
+    if args.decode_tokens < 2 {
+        anyhow::bail!(
+            "--decode-tokens must be at least 2 (decode speed is measured after the first token)"
+        );
+    }
+    let path = args.model.resolve()?;
+    let exe = std::env::current_exe()?;
+    let mut records: Vec<BenchRecord> = Vec::new();
+    for &n in &args.prompt_tokens {
+        for engine in &args.engines {
+            eprintln!("measuring {engine} at {n} prompt tokens ...");
+            let out = Command::new(&exe)
+                .arg("bench-worker")
+                .args(["--engine", engine])
+                .args(["--prompt-tokens", &n.to_string()])
+                .args(["--decode-tokens", &args.decode_tokens.to_string()])
+                .arg("--model")
+                .arg(&path)
+                .args(["--numerics", numerics_name(&args.model)])
+                .output()?;
+            if !out.status.success() {
+                anyhow::bail!(
+                    "{engine} at {n} tokens failed: {}",
+                    String::from_utf8_lossy(&out.stderr).trim()
+                );
+            }
+            let record: BenchRecord = serde_json::from_slice(&out.stdout)?;
+            records.push(record);
+        }
+    }
+    print_table(&records);
+    Ok(())
+}
+
+fn numerics_name(m: &ModelArgs) -> &'static str {
+    match m.numerics {
+        headwise::model::Numerics::Fast => "fast",
+        headwise::model::Numerics::Reference => "reference",
+    }
+}
+
+fn print_table(records: &[BenchRecord]) {
+    let mib = |b: Option<u64>| {
+        b.map_or("?".to_string(), |b| {
+            format!("{:.0}", b as f64 / (1 << 20) as f64)
+        })
+    };
+    println!("| engine | prompt tokens | prefill tok/s | decode tok/s | peak RSS MiB |");
+    println!("| --- | ---: | ---: | ---: | ---: |");
+    for r in records {
+        println!(
+            "| {} | {} | {:.1} | {:.1} | {} |",
+            r.engine,
+            r.prompt_tokens,
+            r.prefill_tok_s,
+            r.decode_tok_s,
+            mib(r.peak_rss_bytes)
+        );
+    }
+    let find = |e: &str, n: usize| {
+        records
+            .iter()
+            .find(|r| r.engine == e && r.prompt_tokens == n)
+    };
+    let mut lengths: Vec<usize> = records.iter().map(|r| r.prompt_tokens).collect();
+    lengths.dedup();
+    for n in lengths {
+        if let (Some(a), Some(b)) = (find("instrumented", n), find("mistralrs", n)) {
+            println!(
+                "\nat {n} tokens, instrumented / mistral.rs: prefill {:.2}x, decode {:.2}x, peak memory {:.2}x",
+                a.prefill_tok_s / b.prefill_tok_s,
+                a.decode_tok_s / b.decode_tok_s,
+                match (a.peak_rss_bytes, b.peak_rss_bytes) {
+                    (Some(x), Some(y)) => x as f64 / y as f64,
+                    _ => f64::NAN,
+                }
+            );
+        }
+    }
+}
+
+/// A prompt of exactly `n` tokens.
+fn prompt_ids(
+    lm_encode: &dyn Fn(&str) -> anyhow::Result<Vec<u32>>,
+    n: usize,
+) -> anyhow::Result<Vec<u32>> {
+    let mut notes = n / 8 + 8;
+    loop {
+        let ids = lm_encode(&synthetic_notes(notes, None))?;
+        if ids.len() >= n {
+            return Ok(ids[..n].to_vec());
+        }
+        notes *= 2;
+    }
+}
+
+pub fn worker(args: WorkerArgs) -> anyhow::Result<()> {
+    let path: PathBuf = args.model.resolve()?;
+    let record = match args.engine.as_str() {
+        "instrumented" => {
+            let lm = LoadedModel::load(&path, args.model.numerics)?;
+            let ids = prompt_ids(&|t| Ok(lm.encode(t, true)?), args.prompt_tokens)?;
+            let opts = GenerateOptions {
+                max_new: args.decode_tokens,
+                ..GenerateOptions::default()
+            };
+            let run = |ids: &[u32], opts: &GenerateOptions| {
+                generate(
+                    &lm.model,
+                    ids,
+                    opts,
+                    &mut NoObserver,
+                    &Interventions::new(),
+                    &mut |_, _| true,
+                )
+            };
+            // Warm-up: touch every weight once.
+            run(
+                &ids[..16.min(ids.len())],
+                &GenerateOptions {
+                    max_new: 2,
+                    ..opts.clone()
+                },
+            )?;
+            let g = run(&ids, &opts)?;
+            BenchRecord {
+                engine: args.engine.clone(),
+                prompt_tokens: ids.len(),
+                decode_tokens: g.tokens.len(),
+                prefill_tok_s: g.prefill_tok_s(),
+                decode_tok_s: g.decode_tok_s(),
+                peak_rss_bytes: peak_rss_bytes(),
+            }
+        }
+        #[cfg(feature = "mistralrs")]
+        "mistralrs" => {
+            let engine = headwise::engine::mistralrs::MistralRsEngine::load(&path)?;
+            let ids = prompt_ids(&|t| Ok(engine.tokenize(t, true)?), args.prompt_tokens)?;
+            engine.generate_timed(&ids[..16.min(ids.len())], 2)?;
+            let (tokens, stats) = engine.generate_timed(&ids, args.decode_tokens)?;
+            BenchRecord {
+                engine: args.engine.clone(),
+                prompt_tokens: ids.len(),
+                decode_tokens: tokens.len(),
+                prefill_tok_s: stats.prefill_tok_s,
+                decode_tok_s: stats.decode_tok_s,
+                peak_rss_bytes: peak_rss_bytes(),
+            }
+        }
+        other => anyhow::bail!("unknown engine `{other}` (instrumented, mistralrs)"),
+    };
+    println!("{}", serde_json::to_string(&record)?);
+    Ok(())
+}

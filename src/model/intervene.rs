@@ -1,0 +1,232 @@
+//! Intervention: what a caller can change inside a forward pass, per (layer, query head).
+//!
+//! * the head's output before `W_O` (zeroed, or replaced by a given vector: the zero- and
+//!   mean-ablations of PAPERS.md section 6);
+//! * an additive bias on its pre-softmax attention scores, per key position;
+//! * the key positions it may attend to (sink + recent window, or explicit ranges).
+//!
+//! The query's own position always stays visible, so a restriction can never leave a
+//! softmax over nothing. Layers without edits take the plain path.
+
+use std::collections::BTreeMap;
+use std::ops::Range;
+
+use candle_core::{Device, Tensor};
+
+use crate::model::Config;
+use crate::{Error, Result};
+
+/// Replacement of a head's output (its `d_head` vector before `W_O`).
+#[derive(Debug, Clone, PartialEq)]
+pub enum OutputEdit {
+    /// The output is zero (`zero-output` ablation).
+    Zero,
+    /// The output is this `d_head` vector at every position (`mean-output` ablation).
+    Replace(Vec<f32>),
+}
+
+/// Which key positions a head may attend to.
+#[derive(Debug, Clone, PartialEq)]
+pub enum KeyRestriction {
+    /// The first `sink` positions and the `window` most recent ones (query included).
+    SinkWindow { sink: usize, window: usize },
+    /// Only positions inside these ranges.
+    Ranges(Vec<Range<usize>>),
+}
+
+impl KeyRestriction {
+    fn allows(&self, key: usize, query: usize) -> bool {
+        match self {
+            KeyRestriction::SinkWindow { sink, window } => key < *sink || key + window > query,
+            KeyRestriction::Ranges(ranges) => ranges.iter().any(|r| r.contains(&key)),
+        }
+    }
+}
+
+/// All edits applied to one head.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct HeadEdit {
+    /// Replace the head's output.
+    pub output: Option<OutputEdit>,
+    /// Added to the pre-softmax score of key position `j` (index `j`; missing = 0).
+    pub bias: Option<Vec<f32>>,
+    /// Restrict the visible key positions.
+    pub keys: Option<KeyRestriction>,
+}
+
+/// Edits per (layer, query head), validated against a model's shape.
+#[derive(Debug, Clone, Default)]
+pub struct Interventions {
+    layers: BTreeMap<usize, BTreeMap<usize, HeadEdit>>,
+}
+
+impl Interventions {
+    /// No edits.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Whether there is no edit at all.
+    pub fn is_empty(&self) -> bool {
+        self.layers.is_empty()
+    }
+
+    /// The edit of (layer, head), created empty if absent.
+    pub fn head(&mut self, layer: usize, head: usize) -> &mut HeadEdit {
+        self.layers
+            .entry(layer)
+            .or_default()
+            .entry(head)
+            .or_default()
+    }
+
+    /// Replace the output of (layer, head).
+    pub fn set_output(&mut self, layer: usize, head: usize, edit: OutputEdit) -> &mut Self {
+        self.head(layer, head).output = Some(edit);
+        self
+    }
+
+    /// Add `bias[j]` to (layer, head)'s score for key position `j`.
+    pub fn set_bias(&mut self, layer: usize, head: usize, bias: Vec<f32>) -> &mut Self {
+        self.head(layer, head).bias = Some(bias);
+        self
+    }
+
+    /// Restrict the key positions (layer, head) sees.
+    pub fn restrict_keys(&mut self, layer: usize, head: usize, keys: KeyRestriction) -> &mut Self {
+        self.head(layer, head).keys = Some(keys);
+        self
+    }
+
+    /// Check every address and vector length against `cfg`.
+    pub fn validate(&self, cfg: &Config) -> Result<()> {
+        for (&layer, heads) in &self.layers {
+            for (&head, edit) in heads {
+                if layer >= cfg.n_layers || head >= cfg.n_heads {
+                    return Err(Error::BadHead {
+                        layer,
+                        head,
+                        n_layers: cfg.n_layers,
+                        n_heads: cfg.n_heads,
+                    });
+                }
+                if let Some(OutputEdit::Replace(v)) = &edit.output {
+                    if v.len() != cfg.d_head {
+                        return Err(Error::invalid(
+                            "output replacement",
+                            format!(
+                                "head ({layer}, {head}): {} values, the head has {}",
+                                v.len(),
+                                cfg.d_head
+                            ),
+                        ));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The additive mask of layer `layer` for queries `start..start + q` over keys
+    /// `0..kv_len`: `(n_heads, q, kv_len)` when some head of the layer has a bias or a
+    /// key restriction, else `None` (then only the causal mask applies).
+    pub(crate) fn score_mask(
+        &self,
+        layer: usize,
+        n_heads: usize,
+        start: usize,
+        q: usize,
+        kv_len: usize,
+    ) -> Result<Option<Tensor>> {
+        let Some(heads) = self.layers.get(&layer) else {
+            return Ok(None);
+        };
+        if heads.values().all(|e| e.bias.is_none() && e.keys.is_none()) {
+            return Ok(None);
+        }
+        let mut mask = vec![0f32; n_heads * q * kv_len];
+        for h in 0..n_heads {
+            let edit = heads.get(&h);
+            for t in 0..q {
+                let query = start + t;
+                let row = &mut mask[(h * q + t) * kv_len..(h * q + t + 1) * kv_len];
+                for (j, m) in row.iter_mut().enumerate() {
+                    let visible = j <= query
+                        && (j == query
+                            || edit
+                                .and_then(|e| e.keys.as_ref())
+                                .is_none_or(|k| k.allows(j, query)));
+                    *m = if !visible {
+                        f32::NEG_INFINITY
+                    } else {
+                        edit.and_then(|e| e.bias.as_ref())
+                            .and_then(|b| b.get(j).copied())
+                            .unwrap_or(0.0)
+                    };
+                }
+            }
+        }
+        Ok(Some(Tensor::from_vec(
+            mask,
+            (n_heads, q, kv_len),
+            &Device::Cpu,
+        )?))
+    }
+
+    /// Apply output edits of layer `layer` to `outputs`: `(q, n_heads, d_head)`.
+    pub(crate) fn edit_outputs(&self, layer: usize, outputs: Tensor) -> Result<Tensor> {
+        let Some(heads) = self.layers.get(&layer) else {
+            return Ok(outputs);
+        };
+        if heads.values().all(|e| e.output.is_none()) {
+            return Ok(outputs);
+        }
+        let (q, n_heads, d_head) = outputs.dims3()?;
+        let mut data = outputs.flatten_all()?.to_vec1::<f32>()?;
+        for (&h, edit) in heads {
+            let Some(out) = &edit.output else { continue };
+            for t in 0..q {
+                let slot = &mut data[(t * n_heads + h) * d_head..(t * n_heads + h + 1) * d_head];
+                match out {
+                    OutputEdit::Zero => slot.fill(0.0),
+                    OutputEdit::Replace(v) => slot.copy_from_slice(v),
+                }
+            }
+        }
+        Ok(Tensor::from_vec(data, (q, n_heads, d_head), &Device::Cpu)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sink_window_keeps_first_and_recent_positions() {
+        let k = KeyRestriction::SinkWindow { sink: 2, window: 3 };
+        let seen: Vec<usize> = (0..=10).filter(|&j| k.allows(j, 10)).collect();
+        assert_eq!(seen, vec![0, 1, 8, 9, 10]);
+    }
+
+    #[test]
+    fn mask_hides_future_and_restricted_keys_but_never_the_query_itself() {
+        let mut iv = Interventions::new();
+        iv.restrict_keys(0, 1, KeyRestriction::Ranges([0..1].to_vec()));
+        iv.set_bias(0, 0, vec![0.5, -0.5]);
+        let m = iv.score_mask(0, 2, 1, 2, 3).unwrap().unwrap();
+        let m: Vec<Vec<Vec<f32>>> = m.to_vec3().unwrap();
+        let inf = f32::NEG_INFINITY;
+        // head 0: bias on keys 0 and 1, causal for queries at positions 1 and 2
+        assert_eq!(m[0], vec![vec![0.5, -0.5, inf], vec![0.5, -0.5, 0.0]]);
+        // head 1: only key 0, plus the query's own position
+        assert_eq!(m[1], vec![vec![0.0, 0.0, inf], vec![0.0, inf, 0.0]]);
+    }
+
+    #[test]
+    fn layers_without_edits_get_no_mask() {
+        let mut iv = Interventions::new();
+        iv.set_output(3, 0, OutputEdit::Zero);
+        assert!(iv.score_mask(3, 4, 0, 2, 2).unwrap().is_none());
+        assert!(iv.score_mask(1, 4, 0, 2, 2).unwrap().is_none());
+    }
+}

@@ -1,0 +1,28 @@
+//! The model: GGUF loading, configuration, tokenizer and chat template, and the
+//! instrumented transformer with its KV cache, observation and intervention interfaces.
+
+mod attention;
+pub mod chat;
+pub mod config;
+pub mod fetch;
+pub mod generate;
+pub mod gguf;
+pub mod intervene;
+pub mod kv_cache;
+pub mod linear;
+pub mod loaded;
+pub mod observe;
+pub mod rope;
+pub mod tokenizer;
+pub mod transformer;
+
+pub use config::{Architecture, Config, LayerSpec};
+pub use generate::{generate, GenerateOptions, Generation, Sampler, Sampling, StopReason};
+pub use gguf::{GgufFile, ModelId};
+pub use intervene::{HeadEdit, Interventions, KeyRestriction, OutputEdit};
+pub use kv_cache::KvCache;
+pub use linear::{Linear, Numerics};
+pub use loaded::{LoadedModel, TextStream};
+pub use observe::{Capture, NoObserver, Observer, Recorder, Wants};
+pub use rope::Rope;
+pub use transformer::{argmax, Logits, Model, DEFAULT_CHUNK};

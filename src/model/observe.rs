@@ -1,0 +1,133 @@
+//! Observation: what a caller can see inside a forward pass.
+//!
+//! The forward pass asks its [`Observer`] once per call what it [`Wants`], and computes
+//! or copies only that: the plain path (`Wants::default()`) allocates no attention
+//! matrix beyond the one softmax needs. Tensors handed to an observer are the forward
+//! pass's own values (cheap `Arc` clones), never recomputed.
+
+use candle_core::Tensor;
+
+/// What an observer asks the forward pass for.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Wants {
+    /// Attention probabilities of every (layer, query head).
+    pub attention: bool,
+    /// Each head's value-weighted output, before `W_O`.
+    pub head_outputs: bool,
+    /// The residual stream after each block.
+    pub residual: bool,
+    /// The final hidden state (after the final norm, before the LM head).
+    pub final_hidden: bool,
+}
+
+impl Wants {
+    /// Everything.
+    pub fn all() -> Self {
+        Self {
+            attention: true,
+            head_outputs: true,
+            residual: true,
+            final_hidden: true,
+        }
+    }
+
+    /// Whether nothing is asked for.
+    pub fn none(&self) -> bool {
+        *self == Self::default()
+    }
+}
+
+/// Receives internals of a forward pass over query positions `start..start + q`.
+///
+/// Every method has a no-op default; implement what you need and say so in
+/// [`Observer::wants`].
+pub trait Observer {
+    /// What to compute for this observer.
+    fn wants(&self) -> Wants;
+    /// A forward pass over positions `start..start + q` begins.
+    fn begin(&mut self, _start: usize, _q: usize) {}
+    /// Attention probabilities of layer `layer`: `(n_heads, q, kv_len)`.
+    fn attention(&mut self, _layer: usize, _probs: &Tensor) {}
+    /// Head outputs of layer `layer` before `W_O`: `(q, n_heads, d_head)`.
+    fn head_outputs(&mut self, _layer: usize, _outputs: &Tensor) {}
+    /// Residual stream after block `layer`: `(q, d_model)`.
+    fn residual(&mut self, _layer: usize, _resid: &Tensor) {}
+    /// Final hidden state after the final norm: `(q, d_model)`.
+    fn final_hidden(&mut self, _hidden: &Tensor) {}
+}
+
+/// Observes nothing: the plain, allocation-free path.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct NoObserver;
+
+impl Observer for NoObserver {
+    fn wants(&self) -> Wants {
+        Wants::default()
+    }
+}
+
+/// One forward call's captured internals, as recorded by [`Recorder`].
+#[derive(Debug, Clone, Default)]
+pub struct Capture {
+    /// First query position of the call.
+    pub start: usize,
+    /// Per layer `(n_heads, q, kv_len)`; empty unless asked for.
+    pub attention: Vec<Tensor>,
+    /// Per layer `(q, n_heads, d_head)`; empty unless asked for.
+    pub head_outputs: Vec<Tensor>,
+    /// Per layer `(q, d_model)`; empty unless asked for.
+    pub residual: Vec<Tensor>,
+    /// `(q, d_model)`; `None` unless asked for.
+    pub final_hidden: Option<Tensor>,
+}
+
+/// Records what it wants, one [`Capture`] per forward call (i.e. per decode step when
+/// used during generation).
+#[derive(Debug, Clone, Default)]
+pub struct Recorder {
+    wants: Wants,
+    /// One entry per forward call, in order.
+    pub steps: Vec<Capture>,
+}
+
+impl Recorder {
+    /// A recorder for `wants`.
+    pub fn new(wants: Wants) -> Self {
+        Self {
+            wants,
+            steps: Vec::new(),
+        }
+    }
+
+    fn current(&mut self) -> &mut Capture {
+        if self.steps.is_empty() {
+            self.steps.push(Capture::default());
+        }
+        let last = self.steps.len() - 1;
+        &mut self.steps[last]
+    }
+}
+
+impl Observer for Recorder {
+    fn wants(&self) -> Wants {
+        self.wants
+    }
+    fn begin(&mut self, start: usize, _q: usize) {
+        self.steps.push(Capture {
+            start,
+            ..Capture::default()
+        });
+    }
+    fn attention(&mut self, _layer: usize, probs: &Tensor) {
+        self.current().attention.push(probs.clone());
+    }
+    fn head_outputs(&mut self, _layer: usize, outputs: &Tensor) {
+        self.current().head_outputs.push(outputs.clone());
+    }
+    fn residual(&mut self, _layer: usize, resid: &Tensor) {
+        self.current().residual.push(resid.clone());
+    }
+    fn final_hidden(&mut self, hidden: &Tensor) {
+        self.current().final_hidden = Some(hidden.clone());
+    }
+}

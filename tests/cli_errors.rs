@@ -1,0 +1,115 @@
+//! Bad input gets one clear line on stderr and a non-zero exit, never a panic.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use candle_core::quantized::gguf_file::{self, Value};
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
+
+fn tmp(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("headwise-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.join(name)
+}
+
+/// Run `headwise generate` with `args`; return (exit code, stderr).
+fn generate(model: &Path, args: &[&str]) -> (i32, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_headwise"))
+        .arg("generate")
+        .arg("--model")
+        .arg(model)
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn assert_clean_error(code: i32, stderr: &str, needle: &str) {
+    assert_ne!(code, 0, "must fail: {stderr}");
+    assert!(!stderr.contains("panicked"), "panic: {stderr}");
+    let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+    let last = lines.last().copied().unwrap_or("");
+    assert!(last.starts_with("error: "), "{stderr}");
+    assert!(last.contains(needle), "expected `{needle}` in: {last}");
+}
+
+#[test]
+fn missing_model_file() {
+    let (code, err) = generate(Path::new("no/such/model.gguf"), &["--prompt", "hi"]);
+    assert_clean_error(code, &err, "No such file");
+}
+
+#[test]
+fn a_file_that_is_not_gguf() {
+    let p = tmp("not.gguf");
+    std::fs::write(&p, b"this is plain text, not a model").unwrap();
+    let (code, err) = generate(&p, &["--prompt", "hi"]);
+    assert_clean_error(code, &err, "not a valid GGUF file");
+}
+
+#[test]
+fn a_truncated_gguf() {
+    let real = std::fs::read(common::real_model()).unwrap();
+    let p = tmp("truncated.gguf");
+    std::fs::write(&p, &real[..real.len() / 3]).unwrap();
+    let (code, err) = generate(&p, &["--prompt", "hi"]);
+    assert_clean_error(code, &err, "truncated");
+}
+
+#[test]
+fn an_unsupported_architecture() {
+    let p = tmp("mamba.gguf");
+    let t = QTensor::quantize(
+        &Tensor::zeros((4, 32), candle_core::DType::F32, &Device::Cpu).unwrap(),
+        GgmlDType::F32,
+    )
+    .unwrap();
+    let arch = Value::String("mamba".into());
+    let mut f = std::fs::File::create(&p).unwrap();
+    gguf_file::write(
+        &mut f,
+        &[("general.architecture", &arch)],
+        &[("token_embd.weight", &t)],
+    )
+    .unwrap();
+    drop(f);
+    let (code, err) = generate(&p, &["--prompt", "hi"]);
+    assert_clean_error(code, &err, "unsupported architecture `mamba`");
+}
+
+#[test]
+fn a_prompt_longer_than_the_context() {
+    let p = tmp("long.txt");
+    std::fs::write(&p, "word ".repeat(9000)).unwrap();
+    let (code, err) = generate(
+        &common::real_model(),
+        &["--prompt-file", p.to_str().unwrap()],
+    );
+    assert_clean_error(code, &err, "exceeds the context of 8192 tokens");
+}
+
+#[test]
+fn zero_max_tokens() {
+    let (code, err) = generate(
+        &common::real_model(),
+        &["--prompt", "hi", "--max-tokens", "0"],
+    );
+    assert_clean_error(code, &err, "max-tokens");
+}
+
+#[test]
+fn invalid_utf8_in_a_prompt_file() {
+    let p = tmp("bad.txt");
+    std::fs::write(&p, b"hello \xff\xfe world").unwrap();
+    let (code, err) = generate(
+        &common::real_model(),
+        &["--prompt-file", p.to_str().unwrap()],
+    );
+    assert_clean_error(code, &err, "not valid UTF-8 (invalid byte at offset 6)");
+}

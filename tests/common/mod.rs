@@ -1,0 +1,291 @@
+//! Shared test helpers: the real model (fetched once per test binary), and a tiny
+//! random-weight llama together with an independent brute-force forward pass over plain
+//! `Vec<f32>` loops, written without candle, to check the instrumented model against.
+
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
+use headwise::model::gguf::MemorySource;
+use headwise::model::{Architecture, Config, Model, Numerics};
+
+/// The SmolLM2 GGUF, fetched into `models/` (or `$HEADWISE_MODELS_DIR`) if missing.
+pub fn real_model() -> PathBuf {
+    static PATH: OnceLock<PathBuf> = OnceLock::new();
+    PATH.get_or_init(|| {
+        if let Ok(p) = std::env::var("HEADWISE_MODEL") {
+            return PathBuf::from(p);
+        }
+        let dir = std::env::var("HEADWISE_MODELS_DIR")
+            .map(PathBuf::from)
+            .unwrap_or_else(|_| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models"));
+        headwise::model::fetch::ensure(&dir, &headwise::model::fetch::SMOLLM2)
+            .expect("fetch the SmolLM2 model")
+            .path()
+            .to_path_buf()
+    })
+    .clone()
+}
+
+/// Shape of the tiny test model: 2 layers, 6 query heads over 2 KV heads (groups of 3).
+pub fn tiny_config() -> Config {
+    Config {
+        architecture: Architecture::Llama,
+        n_layers: 2,
+        n_heads: 6,
+        n_kv_heads: 2,
+        d_model: 48,
+        d_head: 8,
+        d_ff: 64,
+        vocab_size: 97,
+        context_length: 128,
+        rms_eps: 1e-5,
+        rope_base: 10_000.0,
+    }
+}
+
+/// Row-major weights of one layer, `(out, in)` like GGUF.
+#[derive(Clone)]
+pub struct LayerW {
+    pub attn_norm: Vec<f32>,
+    pub wq: Vec<f32>,
+    pub wk: Vec<f32>,
+    pub wv: Vec<f32>,
+    pub wo: Vec<f32>,
+    pub ffn_norm: Vec<f32>,
+    pub gate: Vec<f32>,
+    pub up: Vec<f32>,
+    pub down: Vec<f32>,
+}
+
+/// All weights of a tiny model.
+#[derive(Clone)]
+pub struct Weights {
+    pub cfg: Config,
+    pub embed: Vec<f32>,
+    pub layers: Vec<LayerW>,
+    pub final_norm: Vec<f32>,
+}
+
+/// A small deterministic generator (xorshift), independent of the library's RNG use.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> f32 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+    fn vec(&mut self, n: usize, scale: f32, offset: f32) -> Vec<f32> {
+        (0..n).map(|_| offset + scale * self.next()).collect()
+    }
+}
+
+impl Weights {
+    pub fn random(cfg: Config, seed: u64) -> Self {
+        let mut r = Rng(seed.wrapping_mul(0x9E3779B97F4A7C15) | 1);
+        let (d, dh, f) = (cfg.d_model, cfg.d_head, cfg.d_ff);
+        let s = |n: usize| (3.0 / n as f32).sqrt();
+        let layers = (0..cfg.n_layers)
+            .map(|_| LayerW {
+                attn_norm: r.vec(d, 0.1, 1.0),
+                wq: r.vec(cfg.n_heads * dh * d, 2.0 * s(d), 0.0),
+                wk: r.vec(cfg.n_kv_heads * dh * d, 2.0 * s(d), 0.0),
+                wv: r.vec(cfg.n_kv_heads * dh * d, s(d), 0.0),
+                wo: r.vec(d * cfg.n_heads * dh, s(cfg.n_heads * dh), 0.0),
+                ffn_norm: r.vec(d, 0.1, 1.0),
+                gate: r.vec(f * d, s(d), 0.0),
+                up: r.vec(f * d, s(d), 0.0),
+                down: r.vec(d * f, s(f), 0.0),
+            })
+            .collect();
+        Self {
+            embed: r.vec(cfg.vocab_size * d, 1.0, 0.0),
+            final_norm: r.vec(d, 0.1, 1.0),
+            layers,
+            cfg,
+        }
+    }
+
+    /// Load these weights into the instrumented model (as f32 GGUF tensors).
+    pub fn model(&self, numerics: Numerics) -> Model {
+        let cfg = &self.cfg;
+        let mut src = MemorySource::default();
+        let mut put = |name: String, data: &[f32], shape: &[usize]| {
+            let t = Tensor::from_slice(data, shape, &Device::Cpu).unwrap();
+            src.insert(name, QTensor::quantize(&t, GgmlDType::F32).unwrap());
+        };
+        let (d, dh, f) = (cfg.d_model, cfg.d_head, cfg.d_ff);
+        put(
+            "token_embd.weight".into(),
+            &self.embed,
+            &[cfg.vocab_size, d],
+        );
+        put("output_norm.weight".into(), &self.final_norm, &[d]);
+        for (l, w) in self.layers.iter().enumerate() {
+            let n = |s: &str| format!("blk.{l}.{s}.weight");
+            put(n("attn_norm"), &w.attn_norm, &[d]);
+            put(n("attn_q"), &w.wq, &[cfg.n_heads * dh, d]);
+            put(n("attn_k"), &w.wk, &[cfg.n_kv_heads * dh, d]);
+            put(n("attn_v"), &w.wv, &[cfg.n_kv_heads * dh, d]);
+            put(n("attn_output"), &w.wo, &[d, cfg.n_heads * dh]);
+            put(n("ffn_norm"), &w.ffn_norm, &[d]);
+            put(n("ffn_gate"), &w.gate, &[f, d]);
+            put(n("ffn_up"), &w.up, &[f, d]);
+            put(n("ffn_down"), &w.down, &[d, f]);
+        }
+        Model::from_source(cfg.clone(), &mut src, numerics).unwrap()
+    }
+}
+
+/// What the brute-force pass may change, mirroring the model's interventions.
+pub struct BruteEdits<'a> {
+    /// `visible(layer, head, query_pos, key_pos)`; causality is applied on top.
+    pub visible: &'a dyn Fn(usize, usize, usize, usize) -> bool,
+    /// `output(layer, head)`: a replacement head output.
+    pub output: &'a dyn Fn(usize, usize) -> Option<Vec<f32>>,
+}
+
+pub fn no_edits() -> BruteEdits<'static> {
+    BruteEdits {
+        visible: &|_, _, _, _| true,
+        output: &|_, _| None,
+    }
+}
+
+fn matvec(w: &[f32], x: &[f32], out: usize) -> Vec<f32> {
+    let inp = x.len();
+    (0..out)
+        .map(|o| {
+            (0..inp)
+                .map(|i| w[o * inp + i] as f64 * x[i] as f64)
+                .sum::<f64>() as f32
+        })
+        .collect()
+}
+
+fn rmsnorm(x: &[f32], w: &[f32], eps: f64) -> Vec<f32> {
+    let ms = x.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / x.len() as f64;
+    let r = 1.0 / (ms + eps).sqrt();
+    x.iter()
+        .zip(w)
+        .map(|(v, g)| (*v as f64 * r) as f32 * g)
+        .collect()
+}
+
+fn rope(v: &mut [f32], pos: usize, base: f32) {
+    let d = v.len();
+    for i in 0..d / 2 {
+        let theta = pos as f64 * (base as f64).powf(-2.0 * i as f64 / d as f64);
+        let (s, c) = theta.sin_cos();
+        let (a, b) = (v[2 * i] as f64, v[2 * i + 1] as f64);
+        v[2 * i] = (a * c - b * s) as f32;
+        v[2 * i + 1] = (a * s + b * c) as f32;
+    }
+}
+
+/// Logits `(tokens.len(), vocab)` computed by plain loops, one position at a time.
+pub fn brute_force_logits(w: &Weights, tokens: &[u32], edits: &BruteEdits) -> Vec<Vec<f32>> {
+    let cfg = &w.cfg;
+    let (d, dh, nh, nkv) = (cfg.d_model, cfg.d_head, cfg.n_heads, cfg.n_kv_heads);
+    let group = nh / nkv;
+    let mut xs: Vec<Vec<f32>> = tokens
+        .iter()
+        .map(|&t| w.embed[t as usize * d..(t as usize + 1) * d].to_vec())
+        .collect();
+    for (l, lw) in w.layers.iter().enumerate() {
+        let hs: Vec<Vec<f32>> = xs
+            .iter()
+            .map(|x| rmsnorm(x, &lw.attn_norm, cfg.rms_eps))
+            .collect();
+        let mut qs = Vec::new();
+        let mut ks = Vec::new();
+        let mut vs = Vec::new();
+        for (p, h) in hs.iter().enumerate() {
+            let mut q = matvec(&lw.wq, h, nh * dh);
+            let mut k = matvec(&lw.wk, h, nkv * dh);
+            for head in q.chunks_mut(dh) {
+                rope(head, p, cfg.rope_base);
+            }
+            for head in k.chunks_mut(dh) {
+                rope(head, p, cfg.rope_base);
+            }
+            qs.push(q);
+            ks.push(k);
+            vs.push(matvec(&lw.wv, h, nkv * dh));
+        }
+        for p in 0..tokens.len() {
+            let mut concat = vec![0f32; nh * dh];
+            for head in 0..nh {
+                let kv = head / group;
+                let out = match (edits.output)(l, head) {
+                    Some(o) => o,
+                    None => {
+                        let q = &qs[p][head * dh..(head + 1) * dh];
+                        let keys: Vec<usize> = (0..=p)
+                            .filter(|&j| j == p || (edits.visible)(l, head, p, j))
+                            .collect();
+                        let scores: Vec<f64> = keys
+                            .iter()
+                            .map(|&j| {
+                                let k = &ks[j][kv * dh..(kv + 1) * dh];
+                                q.iter()
+                                    .zip(k)
+                                    .map(|(a, b)| *a as f64 * *b as f64)
+                                    .sum::<f64>()
+                                    / (dh as f64).sqrt()
+                            })
+                            .collect();
+                        let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                        let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
+                        let z: f64 = e.iter().sum();
+                        let mut o = vec![0f64; dh];
+                        for (i, &j) in keys.iter().enumerate() {
+                            for (c, v) in vs[j][kv * dh..(kv + 1) * dh].iter().enumerate() {
+                                o[c] += e[i] / z * *v as f64;
+                            }
+                        }
+                        o.into_iter().map(|v| v as f32).collect()
+                    }
+                };
+                concat[head * dh..(head + 1) * dh].copy_from_slice(&out);
+            }
+            let attn = matvec(&lw.wo, &concat, d);
+            for (x, a) in xs[p].iter_mut().zip(attn) {
+                *x += a;
+            }
+        }
+        for x in xs.iter_mut() {
+            let h = rmsnorm(x, &lw.ffn_norm, cfg.rms_eps);
+            let g = matvec(&lw.gate, &h, cfg.d_ff);
+            let u = matvec(&lw.up, &h, cfg.d_ff);
+            let act: Vec<f32> = g
+                .iter()
+                .zip(&u)
+                .map(|(g, u)| (*g as f64 / (1.0 + (-*g as f64).exp())) as f32 * u)
+                .collect();
+            for (x, dv) in x.iter_mut().zip(matvec(&lw.down, &act, d)) {
+                *x += dv;
+            }
+        }
+    }
+    xs.iter()
+        .map(|x| {
+            let h = rmsnorm(x, &w.final_norm, cfg.rms_eps);
+            matvec(&w.embed, &h, cfg.vocab_size)
+        })
+        .collect()
+}
+
+/// Largest absolute difference between a `(n, vocab)` tensor and rows of a table.
+pub fn max_diff(t: &Tensor, rows: &[Vec<f32>]) -> f32 {
+    let got: Vec<Vec<f32>> = t.to_vec2().unwrap();
+    assert_eq!(got.len(), rows.len());
+    got.iter()
+        .zip(rows)
+        .flat_map(|(a, b)| a.iter().zip(b).map(|(x, y)| (x - y).abs()))
+        .fold(0.0, f32::max)
+}
