@@ -3,6 +3,9 @@
 //!
 //! * [`batched`]: candle matrix products and a softmax over the whole score matrix:
 //!   fast for prefill, and it yields the attention probabilities as a by-product;
+//! * [`single_query`]: one decode step in plain loops over the KV cache (each key row
+//!   read once for all query heads of its group, 16-lane dot products): a matrix
+//!   product with one row spends most of its time packing operands;
 //! * [`streaming`]: a one-pass online softmax (Milakov and Gimelshein 2018, as in
 //!   FlashAttention) that visits key positions in order, one query row at a time, and
 //!   for a single query splits the keys into tiles of 16 merged left to right. This is the
@@ -51,6 +54,84 @@ pub(crate) fn batched(
         .matmul(values)?
         .reshape((nh, q_len, dh))?;
     Ok((out, probs))
+}
+
+/// Lanes of the vectorised dot product.
+const LANES: usize = 16;
+
+/// Dot product with `LANES` independent accumulators (the compiler maps them to SIMD).
+fn dot_lanes(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; LANES];
+    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
+    for (x, y) in ca.zip(cb) {
+        for i in 0..LANES {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+/// Attention of one query position per head (a decode step); returns `(output,
+/// probabilities)`: `(n_heads, 1, d_head)` and `(n_heads, 1, kv_len)`.
+pub(crate) fn single_query(
+    q: &Tensor,
+    keys: &Tensor,
+    values: &Tensor,
+    mask: Option<&Tensor>,
+) -> Result<(Tensor, Tensor)> {
+    let (nh, _, dh) = q.dims3()?;
+    let (nkv, kv_len, _) = keys.dims3()?;
+    let group = nh / nkv;
+    let scale = 1.0 / (dh as f32).sqrt();
+    let q = q.contiguous()?;
+    let mask: Option<Vec<f32>> = mask.map(|m| m.flatten_all()?.to_vec1()).transpose()?;
+    let mut probs = vec![0f32; nh * kv_len];
+    let mut out = vec![0f32; nh * dh];
+    with_data(&q, |qd, _| {
+        with_data(keys, |kd, ks| {
+            with_data(values, |vd, vs| {
+                for kvh in 0..nkv {
+                    let heads = kvh * group..(kvh + 1) * group;
+                    for j in 0..kv_len {
+                        let k = &kd[kvh * ks[0] + j * ks[1]..][..dh];
+                        for h in heads.clone() {
+                            let bias = mask.as_ref().map_or(0.0, |m| m[h * kv_len + j]);
+                            probs[h * kv_len + j] = dot_lanes(&qd[h * dh..(h + 1) * dh], k) * scale + bias;
+                        }
+                    }
+                    for h in heads.clone() {
+                        let row = &mut probs[h * kv_len..(h + 1) * kv_len];
+                        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                        let mut sum = 0f32;
+                        for p in row.iter_mut() {
+                            *p = (*p - max).exp();
+                            sum += *p;
+                        }
+                        let inv = 1.0 / sum;
+                        row.iter_mut().for_each(|p| *p *= inv);
+                    }
+                    for j in 0..kv_len {
+                        let v = &vd[kvh * vs[0] + j * vs[1]..][..dh];
+                        for h in heads.clone() {
+                            let p = probs[h * kv_len + j];
+                            if p == 0.0 {
+                                continue;
+                            }
+                            for (o, x) in out[h * dh..(h + 1) * dh].iter_mut().zip(v) {
+                                *o += p * x;
+                            }
+                        }
+                    }
+                }
+                Ok(())
+            })
+        })
+    })?;
+    Ok((
+        Tensor::from_vec(out, (nh, 1, dh), &Device::Cpu)?,
+        Tensor::from_vec(probs, (nh, 1, kv_len), &Device::Cpu)?,
+    ))
 }
 
 /// Borrow the f32 data of a CPU tensor with its strides and start offset.

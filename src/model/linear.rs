@@ -71,6 +71,20 @@ impl Linear {
         }
     }
 
+    /// A [`Numerics::Fast`] layer from an f32 weight `(out, in)`; single rows use a Q8_0
+    /// copy when `requantize`, else the f32 weight itself.
+    fn from_dense(dense: Tensor, requantize: bool) -> Result<Self> {
+        let quant = if requantize {
+            QMatMul::from_qtensor(QTensor::quantize(&dense, GgmlDType::Q8_0)?)?
+        } else {
+            QMatMul::Tensor(dense.clone())
+        };
+        Ok(Self {
+            quant,
+            dense: Some(dense),
+        })
+    }
+
     /// Like [`Linear::new`], sharing an already dequantized copy of the weight
     /// (tied embeddings: the embedding table is the LM head).
     pub fn with_dense(weight: QTensor, dense: &Tensor, numerics: Numerics) -> Result<Self> {
@@ -108,5 +122,72 @@ impl Linear {
             }
         };
         q + self.dense.as_ref().map_or(0, |d| d.elem_count() * 4)
+    }
+}
+
+/// Several projections of the same input (Q, K and V; gate and up).
+///
+/// In [`Numerics::Fast`] they are stacked into one weight, so a decode step quantizes its
+/// input once and runs one matmul instead of several; in [`Numerics::Reference`] they stay
+/// separate, as mistral.rs keeps them (stacking would not change a single float, only
+/// the layout).
+#[derive(Debug, Clone)]
+pub enum Projections {
+    /// One stacked weight and the output width of each part.
+    Stacked { weight: Linear, widths: Vec<usize> },
+    /// One layer per part.
+    Separate(Vec<Linear>),
+}
+
+impl Projections {
+    /// Build from the parts' GGUF tensors, each `(out_i, in)`.
+    pub fn new(parts: Vec<QTensor>, numerics: Numerics) -> Result<Self> {
+        match numerics {
+            Numerics::Reference => Ok(Projections::Separate(
+                parts
+                    .into_iter()
+                    .map(|p| Linear::new(p, numerics))
+                    .collect::<Result<_>>()?,
+            )),
+            Numerics::Fast => {
+                let dense = parts
+                    .iter()
+                    .map(|p| p.dequantize(&candle_core::Device::Cpu))
+                    .collect::<candle_core::Result<Vec<_>>>()?;
+                let widths = dense.iter().map(|d| d.dim(0)).collect::<candle_core::Result<_>>()?;
+                let requantize = parts.iter().any(|p| p.dtype() != GgmlDType::F32);
+                Ok(Projections::Stacked {
+                    weight: Linear::from_dense(Tensor::cat(&dense, 0)?, requantize)?,
+                    widths,
+                })
+            }
+        }
+    }
+
+    /// `x`: `(rows, in)` -> one `(rows, out_i)` tensor per part.
+    pub fn forward(&self, x: &Tensor) -> Result<Vec<Tensor>> {
+        match self {
+            Projections::Separate(parts) => parts.iter().map(|p| p.forward(x)).collect(),
+            Projections::Stacked { weight, widths } => {
+                let y = weight.forward(x)?;
+                let mut offset = 0;
+                widths
+                    .iter()
+                    .map(|&w| {
+                        let part = y.narrow(1, offset, w)?;
+                        offset += w;
+                        Ok(part)
+                    })
+                    .collect()
+            }
+        }
+    }
+
+    /// Bytes held by the weights.
+    pub fn bytes(&self) -> usize {
+        match self {
+            Projections::Separate(parts) => parts.iter().map(Linear::bytes).sum(),
+            Projections::Stacked { weight, .. } => weight.bytes(),
+        }
     }
 }

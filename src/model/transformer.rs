@@ -5,10 +5,12 @@
 
 use std::path::Path;
 
+use candle_core::quantized::QTensor;
 use candle_core::{Device, Tensor, D};
 
 use crate::model::gguf::{GgufFile, TensorSource};
 use crate::model::attention;
+use crate::model::linear::Projections;
 use crate::model::{Config, Interventions, KvCache, Linear, Numerics, Observer, Rope};
 use crate::{Error, Result};
 
@@ -27,13 +29,12 @@ pub const DEFAULT_CHUNK: usize = 256;
 #[derive(Debug, Clone)]
 struct Block {
     attn_norm: Tensor,
-    wq: Linear,
-    wk: Linear,
-    wv: Linear,
+    /// Q, K and V.
+    qkv: Projections,
     wo: Linear,
     ffn_norm: Tensor,
-    gate: Linear,
-    up: Linear,
+    /// Gate and up.
+    gate_up: Projections,
     down: Linear,
 }
 
@@ -64,13 +65,8 @@ fn norm_weight(src: &mut dyn TensorSource, name: &str, width: usize) -> Result<T
     Ok(t)
 }
 
-fn linear(
-    src: &mut dyn TensorSource,
-    name: &str,
-    out: usize,
-    inp: usize,
-    numerics: Numerics,
-) -> Result<Linear> {
+/// A 2-D weight `(out, in)`, shape-checked.
+fn qtensor(src: &mut dyn TensorSource, name: &str, out: usize, inp: usize) -> Result<QTensor> {
     let t = src.tensor(name)?;
     if t.shape().dims() != [out, inp] {
         return Err(Error::Tensor {
@@ -78,7 +74,17 @@ fn linear(
             reason: format!("shape {:?}, expected [{out}, {inp}]", t.shape().dims()),
         });
     }
-    Linear::new(t, numerics)
+    Ok(t)
+}
+
+fn linear(
+    src: &mut dyn TensorSource,
+    name: &str,
+    out: usize,
+    inp: usize,
+    numerics: Numerics,
+) -> Result<Linear> {
+    Linear::new(qtensor(src, name, out, inp)?, numerics)
 }
 
 impl Model {
@@ -119,13 +125,23 @@ impl Model {
             let n = |s: &str| format!("blk.{l}.{s}.weight");
             blocks.push(Block {
                 attn_norm: norm_weight(src, &n("attn_norm"), d)?,
-                wq: linear(src, &n("attn_q"), cfg.n_heads * dh, d, numerics)?,
-                wk: linear(src, &n("attn_k"), cfg.n_kv_heads * dh, d, numerics)?,
-                wv: linear(src, &n("attn_v"), cfg.n_kv_heads * dh, d, numerics)?,
+                qkv: Projections::new(
+                    vec![
+                        qtensor(src, &n("attn_q"), cfg.n_heads * dh, d)?,
+                        qtensor(src, &n("attn_k"), cfg.n_kv_heads * dh, d)?,
+                        qtensor(src, &n("attn_v"), cfg.n_kv_heads * dh, d)?,
+                    ],
+                    numerics,
+                )?,
                 wo: linear(src, &n("attn_output"), d, cfg.n_heads * dh, numerics)?,
                 ffn_norm: norm_weight(src, &n("ffn_norm"), d)?,
-                gate: linear(src, &n("ffn_gate"), cfg.d_ff, d, numerics)?,
-                up: linear(src, &n("ffn_up"), cfg.d_ff, d, numerics)?,
+                gate_up: Projections::new(
+                    vec![
+                        qtensor(src, &n("ffn_gate"), cfg.d_ff, d)?,
+                        qtensor(src, &n("ffn_up"), cfg.d_ff, d)?,
+                    ],
+                    numerics,
+                )?,
                 down: linear(src, &n("ffn_down"), d, cfg.d_ff, numerics)?,
             });
         }
@@ -170,10 +186,7 @@ impl Model {
     /// Bytes held by weights (all copies the chosen numerics keep).
     pub fn weight_bytes(&self) -> usize {
         let lin = |b: &Block| {
-            [&b.wq, &b.wk, &b.wv, &b.wo, &b.gate, &b.up, &b.down]
-                .iter()
-                .map(|l| l.bytes())
-                .sum::<usize>()
+            b.qkv.bytes() + b.gate_up.bytes() + b.wo.bytes() + b.down.bytes()
         };
         self.blocks.iter().map(lin).sum::<usize>()
             + self.embed.elem_count() * 4
@@ -275,7 +288,8 @@ impl Model {
                 self.attention(l, block, &x, start, causal.as_ref(), cache, observer, edits)?;
             x = (x + attn)?;
             let h = candle_nn::ops::rms_norm(&x, &block.ffn_norm, self.cfg.rms_eps as f32)?;
-            let gated = (block.gate.forward(&h)?.silu()? * block.up.forward(&h)?)?;
+            let gu = block.gate_up.forward(&h)?;
+            let gated = (gu[0].silu()? * &gu[1])?;
             x = (x + block.down.forward(&gated)?)?;
             if wants.residual {
                 observer.residual(l, &x);
@@ -313,9 +327,10 @@ impl Model {
         let heads = |t: Tensor, n: usize| -> Result<Tensor> {
             Ok(t.reshape((1, q_len, n, dh))?.transpose(1, 2)?)
         };
-        let qh = rope.apply(&heads(block.wq.forward(&h)?, nh)?, start)?;
-        let kh = rope.apply(&heads(block.wk.forward(&h)?, nkv)?, start)?;
-        let vh = heads(block.wv.forward(&h)?, nkv)?;
+        let qkv = block.qkv.forward(&h)?;
+        let qh = rope.apply(&heads(qkv[0].clone(), nh)?, start)?;
+        let kh = rope.apply(&heads(qkv[1].clone(), nkv)?, start)?;
+        let vh = heads(qkv[2].clone(), nkv)?;
         let (keys, values) = cache.append(layer, &kh.squeeze(0)?, &vh.squeeze(0)?)?;
         let kv_len = keys.dim(1)?;
         let qh = qh.squeeze(0)?;
@@ -323,7 +338,11 @@ impl Model {
         let wants = observer.wants();
         let out = match self.numerics {
             Numerics::Fast => {
-                let (out, probs) = attention::batched(&qh, &keys, &values, mask.as_ref(), causal)?;
+                let (out, probs) = if q_len == 1 {
+                    attention::single_query(&qh, &keys, &values, mask.as_ref())?
+                } else {
+                    attention::batched(&qh, &keys, &values, mask.as_ref(), causal)?
+                };
                 if wants.attention {
                     observer.attention(layer, &probs);
                 }
