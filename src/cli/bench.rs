@@ -6,7 +6,9 @@ use std::process::Command;
 
 use clap::Args;
 use headwise::bench::{peak_rss_bytes, synthetic_notes, BenchRecord};
-use headwise::model::{generate, GenerateOptions, Interventions, LoadedModel, NoObserver};
+use headwise::model::{
+    generate, GenerateOptions, Interventions, LoadedModel, NoObserver, Numerics,
+};
 
 use super::ModelArgs;
 
@@ -56,7 +58,10 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                 .args(["--decode-tokens", &args.decode_tokens.to_string()])
                 .arg("--model")
                 .arg(&path)
-                .args(["--numerics", numerics_name(&args.model)])
+                .args([
+                    "--numerics",
+                    numerics_name(args.model.numerics_or(Numerics::Fast)),
+                ])
                 .output()?;
             if !out.status.success() {
                 anyhow::bail!(
@@ -72,10 +77,10 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn numerics_name(m: &ModelArgs) -> &'static str {
-    match m.numerics {
-        headwise::model::Numerics::Fast => "fast",
-        headwise::model::Numerics::Reference => "reference",
+fn numerics_name(n: Numerics) -> &'static str {
+    match n {
+        Numerics::Fast => "fast",
+        Numerics::Reference => "reference",
     }
 }
 
@@ -138,7 +143,7 @@ pub fn worker(args: WorkerArgs) -> anyhow::Result<()> {
     let path: PathBuf = args.model.resolve()?;
     let record = match args.engine.as_str() {
         "instrumented" => {
-            let lm = LoadedModel::load(&path, args.model.numerics)?;
+            let lm = LoadedModel::load(&path, args.model.numerics_or(Numerics::Fast))?;
             let ids = prompt_ids(&|t| Ok(lm.encode(t, true)?), args.prompt_tokens)?;
             let opts = GenerateOptions {
                 max_new: args.decode_tokens,

@@ -6,7 +6,8 @@ use std::path::PathBuf;
 use clap::{Args, ValueEnum};
 use headwise::model::chat::ChatMessage;
 use headwise::model::{
-    generate, GenerateOptions, Interventions, LoadedModel, NoObserver, Sampling, TextStream,
+    generate, GenerateOptions, Interventions, LoadedModel, NoObserver, Numerics, Sampling,
+    TextStream,
 };
 
 use super::{read_utf8, ModelArgs};
@@ -84,7 +85,8 @@ fn instrumented(
     sampling: Sampling,
     path: &std::path::Path,
 ) -> anyhow::Result<()> {
-    let lm = LoadedModel::load(path, args.model.numerics)?;
+    let numerics = args.model.numerics_or(Numerics::Fast);
+    let lm = LoadedModel::load(path, numerics)?;
     let ids = if args.chat {
         lm.chat_prompt(&[ChatMessage {
             role: "user".into(),
@@ -131,7 +133,7 @@ fn instrumented(
     writeln!(stdout)?;
     eprintln!(
         "instrumented ({:?}): prompt {} tokens, prefill {:.1} tok/s; generated {} tokens, decode {:.1} tok/s",
-        args.model.numerics,
+        numerics,
         gen.prompt_tokens,
         gen.prefill_tok_s(),
         gen.tokens.len(),

@@ -46,13 +46,19 @@ pub struct ModelArgs {
     /// Where fetched models live.
     #[arg(long, env = "HEADWISE_MODELS_DIR", default_value = DEFAULT_MODELS_DIR)]
     models_dir: PathBuf,
-    /// Linear-layer numerics of the instrumented model: `fast` (f32 gemm for prefill,
-    /// Q8_0 for decode) or `reference` (the file's quantized blocks, as mistral.rs).
-    #[arg(long, default_value = "fast")]
-    numerics: Numerics,
+    /// Numerics of the instrumented model: `fast` (f32 gemm for prefill, 8-bit weights
+    /// for decode) or `reference` (mistral.rs's arithmetic: the file's quantized blocks,
+    /// streaming attention) [default: fast; parity: reference].
+    #[arg(long)]
+    numerics: Option<Numerics>,
 }
 
 impl ModelArgs {
+    /// The chosen numerics, or `default`.
+    pub fn numerics_or(&self, default: Numerics) -> Numerics {
+        self.numerics.unwrap_or(default)
+    }
+
     /// The model path: `--model` as given (it must exist), or the default model,
     /// fetched into `--models-dir` if missing.
     pub fn resolve(&self) -> anyhow::Result<PathBuf> {

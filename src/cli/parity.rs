@@ -2,7 +2,7 @@
 
 use clap::Args;
 use headwise::engine::mistralrs::MistralRsEngine;
-use headwise::model::LoadedModel;
+use headwise::model::{LoadedModel, Numerics};
 use headwise::parity::{self, PromptParity, GREEDY_TOKENS};
 
 use super::ModelArgs;
@@ -37,12 +37,13 @@ fn row(p: &PromptParity) -> String {
 
 pub fn run(args: ParityArgs) -> anyhow::Result<()> {
     let path = args.model.resolve()?;
+    let numerics = args.model.numerics_or(Numerics::Reference);
     eprintln!(
         "loading {} (instrumented, {:?} numerics)",
         path.display(),
-        args.model.numerics
+        numerics
     );
-    let ours = LoadedModel::load(&path, args.model.numerics)?;
+    let ours = LoadedModel::load(&path, numerics)?;
     eprintln!("loading {} (mistral.rs, F32)", path.display());
     let reference = MistralRsEngine::load(&path)?;
     println!("| prompt | tokens | max abs dlogit | mean abs dlogit | top-1 agree | greedy {GREEDY_TOKENS} tokens |");

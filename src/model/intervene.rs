@@ -211,7 +211,8 @@ mod tests {
     #[test]
     fn mask_hides_future_and_restricted_keys_but_never_the_query_itself() {
         let mut iv = Interventions::new();
-        iv.restrict_keys(0, 1, KeyRestriction::Ranges([0..1].to_vec()));
+        let only_first = std::iter::once(0..1).collect();
+        iv.restrict_keys(0, 1, KeyRestriction::Ranges(only_first));
         iv.set_bias(0, 0, vec![0.5, -0.5]);
         let m = iv.score_mask(0, 2, 1, 2, 3).unwrap().unwrap();
         let m: Vec<Vec<Vec<f32>>> = m.to_vec3().unwrap();

@@ -4,12 +4,14 @@
 //!   `QMatMul`, exactly the path mistral.rs takes (activations are quantized to the
 //!   weight type's dot-product partner, e.g. Q8_1 for Q4_1): the parity mode.
 //! * [`Numerics::Fast`] keeps a dequantized f32 copy for batched rows (prefill: a SIMD
-//!   gemm is ~9x faster than quantized dot products at 64 rows) and a Q8_0 copy for
-//!   single rows (decode is bandwidth-bound and candle has an AVX kernel for Q8_0 but
-//!   none for Q4_1).
+//!   gemm is ~9x faster than quantized dot products at 64 rows) and an 8-bit copy for
+//!   single rows ([`Q8Matrix`]: decode streams every weight once per token, and candle
+//!   has no SIMD kernel for Q4_1).
 
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
-use candle_core::{Module, Tensor};
+use candle_core::{Device, Module, Tensor};
+
+use crate::model::q8::Q8Matrix;
 
 use crate::Result;
 
@@ -38,13 +40,22 @@ impl std::str::FromStr for Numerics {
     }
 }
 
-/// Rows above which the dense f32 weight is used in [`Numerics::Fast`].
+/// Rows from which the dense f32 weight is used in [`Numerics::Fast`].
 const DENSE_MIN_ROWS: usize = 4;
+
+/// How rows below [`DENSE_MIN_ROWS`] (decode steps) are multiplied.
+#[derive(Debug, Clone)]
+enum RowPath {
+    /// candle's `QMatMul` (the file's blocks, or an f32 weight).
+    Candle(QMatMul),
+    /// headwise's 8-bit matrix-vector kernel.
+    Q8(Q8Matrix),
+}
 
 /// `y = x W^T` for a weight `W` of shape `(out, in)`.
 #[derive(Debug, Clone)]
 pub struct Linear {
-    quant: QMatMul,
+    rows: RowPath,
     /// `(out, in)` f32, present in [`Numerics::Fast`].
     dense: Option<Tensor>,
 }
@@ -54,33 +65,37 @@ impl Linear {
     pub fn new(weight: QTensor, numerics: Numerics) -> Result<Self> {
         match numerics {
             Numerics::Reference => Ok(Self {
-                quant: QMatMul::from_qtensor(weight)?,
+                rows: RowPath::Candle(QMatMul::from_qtensor(weight)?),
                 dense: None,
             }),
             Numerics::Fast => {
-                let dense = weight.dequantize(&candle_core::Device::Cpu)?;
-                let quant = match weight.dtype() {
-                    GgmlDType::Q8_0 | GgmlDType::F32 => QMatMul::from_qtensor(weight)?,
-                    _ => QMatMul::from_qtensor(QTensor::quantize(&dense, GgmlDType::Q8_0)?)?,
-                };
-                Ok(Self {
-                    quant,
-                    dense: Some(dense),
-                })
+                let dense = weight.dequantize(&Device::Cpu)?;
+                let exact = weight.dtype() == GgmlDType::F32;
+                Self::fast(dense, !exact, || QMatMul::from_qtensor(weight))
             }
         }
     }
 
-    /// A [`Numerics::Fast`] layer from an f32 weight `(out, in)`; single rows use a Q8_0
-    /// copy when `requantize`, else the f32 weight itself.
-    fn from_dense(dense: Tensor, requantize: bool) -> Result<Self> {
-        let quant = if requantize {
-            QMatMul::from_qtensor(QTensor::quantize(&dense, GgmlDType::Q8_0)?)?
+    /// A [`Numerics::Fast`] layer from an f32 weight `(out, in)`. Single rows go through
+    /// [`Q8Matrix`] when `requantize` and the width allows, else through `fallback`.
+    fn fast(
+        dense: Tensor,
+        requantize: bool,
+        fallback: impl FnOnce() -> candle_core::Result<QMatMul>,
+    ) -> Result<Self> {
+        let q8 = if requantize {
+            let (out, inp) = dense.dims2()?;
+            Q8Matrix::quantize(&dense.flatten_all()?.to_vec1::<f32>()?, out, inp)
         } else {
-            QMatMul::Tensor(dense.clone())
+            None
+        };
+        let rows = match q8 {
+            Some(m) => RowPath::Q8(m),
+            None if requantize => RowPath::Candle(fallback()?),
+            None => RowPath::Candle(QMatMul::Tensor(dense.clone())),
         };
         Ok(Self {
-            quant,
+            rows,
             dense: Some(dense),
         })
     }
@@ -88,40 +103,56 @@ impl Linear {
     /// Like [`Linear::new`], sharing an already dequantized copy of the weight
     /// (tied embeddings: the embedding table is the LM head).
     pub fn with_dense(weight: QTensor, dense: &Tensor, numerics: Numerics) -> Result<Self> {
-        let quant = QMatMul::from_qtensor(weight)?;
-        let dense = (numerics == Numerics::Fast).then(|| dense.clone());
-        Ok(Self { quant, dense })
+        match numerics {
+            Numerics::Reference => Self::new(weight, numerics),
+            Numerics::Fast => {
+                let exact = weight.dtype() == GgmlDType::F32;
+                Self::fast(dense.clone(), !exact, || QMatMul::from_qtensor(weight))
+            }
+        }
     }
 
     /// `x`: `(rows, in)` f32 -> `(rows, out)`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let rows = x.dim(0)?;
-        Ok(match &self.dense {
-            Some(w) if rows >= DENSE_MIN_ROWS => x.matmul(&w.t()?)?,
-            _ => self.quant.forward(x)?,
-        })
+        match (&self.dense, &self.rows) {
+            (Some(w), _) if rows >= DENSE_MIN_ROWS => Ok(x.matmul(&w.t()?)?),
+            (_, RowPath::Candle(q)) => Ok(q.forward(x)?),
+            (_, RowPath::Q8(m)) => {
+                let mut out = Vec::with_capacity(rows * m.rows());
+                for r in 0..rows {
+                    out.extend(m.gemv(&x.get(r)?.to_vec1::<f32>()?));
+                }
+                Ok(Tensor::from_vec(out, (rows, m.rows()), &Device::Cpu)?)
+            }
+        }
     }
 
     /// The weight as f32 `(out, in)`.
     pub fn dequantized(&self) -> Result<Tensor> {
-        Ok(match (&self.dense, &self.quant) {
-            (Some(w), _) => w.clone(),
-            (None, QMatMul::QTensor(t)) => t.dequantize(&candle_core::Device::Cpu)?,
-            (None, QMatMul::Tensor(t) | QMatMul::TensorF16(t)) => {
-                t.to_dtype(candle_core::DType::F32)?
+        match (&self.dense, &self.rows) {
+            (Some(w), _) => Ok(w.clone()),
+            (None, RowPath::Candle(QMatMul::QTensor(t))) => Ok(t.dequantize(&Device::Cpu)?),
+            (None, RowPath::Candle(QMatMul::Tensor(t) | QMatMul::TensorF16(t))) => {
+                Ok(t.to_dtype(candle_core::DType::F32)?)
             }
-        })
+            (None, RowPath::Q8(_)) => Err(crate::Error::invalid(
+                "weight",
+                "an 8-bit decode weight without its f32 copy",
+            )),
+        }
     }
 
     /// Bytes held by this layer's weights (every copy).
     pub fn bytes(&self) -> usize {
-        let q = match &self.quant {
-            QMatMul::QTensor(t) => t.storage_size_in_bytes(),
-            QMatMul::Tensor(t) | QMatMul::TensorF16(t) => {
+        let rows = match &self.rows {
+            RowPath::Candle(QMatMul::QTensor(t)) => t.storage_size_in_bytes(),
+            RowPath::Candle(QMatMul::Tensor(t) | QMatMul::TensorF16(t)) => {
                 t.elem_count() * t.dtype().size_in_bytes()
             }
+            RowPath::Q8(m) => m.bytes(),
         };
-        q + self.dense.as_ref().map_or(0, |d| d.elem_count() * 4)
+        rows + self.dense.as_ref().map_or(0, |d| d.elem_count() * 4)
     }
 }
 
@@ -152,12 +183,17 @@ impl Projections {
             Numerics::Fast => {
                 let dense = parts
                     .iter()
-                    .map(|p| p.dequantize(&candle_core::Device::Cpu))
+                    .map(|p| p.dequantize(&Device::Cpu))
                     .collect::<candle_core::Result<Vec<_>>>()?;
-                let widths = dense.iter().map(|d| d.dim(0)).collect::<candle_core::Result<_>>()?;
+                let widths = dense
+                    .iter()
+                    .map(|d| d.dim(0))
+                    .collect::<candle_core::Result<_>>()?;
                 let requantize = parts.iter().any(|p| p.dtype() != GgmlDType::F32);
+                let stacked = Tensor::cat(&dense, 0)?;
+                let fallback = || Ok(QMatMul::Tensor(stacked.clone()));
                 Ok(Projections::Stacked {
-                    weight: Linear::from_dense(Tensor::cat(&dense, 0)?, requantize)?,
+                    weight: Linear::fast(stacked.clone(), requantize, fallback)?,
                     widths,
                 })
             }

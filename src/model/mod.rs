@@ -12,6 +12,7 @@ pub mod kv_cache;
 pub mod linear;
 pub mod loaded;
 pub mod observe;
+pub mod q8;
 pub mod rope;
 pub mod tokenizer;
 pub mod transformer;

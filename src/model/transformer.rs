@@ -8,8 +8,8 @@ use std::path::Path;
 use candle_core::quantized::QTensor;
 use candle_core::{Device, Tensor, D};
 
-use crate::model::gguf::{GgufFile, TensorSource};
 use crate::model::attention;
+use crate::model::gguf::{GgufFile, TensorSource};
 use crate::model::linear::Projections;
 use crate::model::{Config, Interventions, KvCache, Linear, Numerics, Observer, Rope};
 use crate::{Error, Result};
@@ -185,9 +185,7 @@ impl Model {
 
     /// Bytes held by weights (all copies the chosen numerics keep).
     pub fn weight_bytes(&self) -> usize {
-        let lin = |b: &Block| {
-            b.qkv.bytes() + b.gate_up.bytes() + b.wo.bytes() + b.down.bytes()
-        };
+        let lin = |b: &Block| b.qkv.bytes() + b.gate_up.bytes() + b.wo.bytes() + b.down.bytes();
         self.blocks.iter().map(lin).sum::<usize>()
             + self.embed.elem_count() * 4
             + self.lm_head.bytes()
@@ -350,7 +348,8 @@ impl Model {
             }
             Numerics::Reference => {
                 if wants.attention {
-                    let (_, probs) = attention::batched(&qh, &keys, &values, mask.as_ref(), causal)?;
+                    let (_, probs) =
+                        attention::batched(&qh, &keys, &values, mask.as_ref(), causal)?;
                     observer.attention(layer, &probs);
                 }
                 attention::streaming(&qh, &keys, &values, start, mask.as_ref())?
