@@ -3,9 +3,9 @@
 //!
 //! * [`batched`]: candle matrix products and a softmax over the whole score matrix:
 //!   fast for prefill, and it yields the attention probabilities as a by-product;
-//! * [`single_query`]: one decode step in plain loops over the KV cache (each key row
-//!   read once for all query heads of its group, 16-lane dot products): a matrix
-//!   product with one row spends most of its time packing operands;
+//! * [`single_query`]: one decode step in plain loops over the KV cache, one parallel
+//!   task per head, 16-lane dot products: a matrix product with one row spends most of
+//!   its time packing operands;
 //! * [`streaming`]: a one-pass online softmax (Milakov and Gimelshein 2018, as in
 //!   FlashAttention) that visits key positions in order, one query row at a time, and
 //!   for a single query splits the keys into tiles of 16 merged left to right. This is the
@@ -132,43 +132,36 @@ pub(crate) fn single_query(
     with_data(&q, |qd, _| {
         with_data(keys, |kd, ks| {
             with_data(values, |vd, vs| {
-                // One task per KV head: its query heads' probabilities and outputs.
+                // One task per query head (nine tasks balance two cores better than three).
                 probs
-                    .par_chunks_mut(group * kv_len)
-                    .zip(out.par_chunks_mut(group * dh))
+                    .par_chunks_mut(kv_len)
+                    .zip(out.par_chunks_mut(dh))
                     .enumerate()
-                    .for_each(|(kvh, (probs, out))| {
-                        let qs = &qd[kvh * group * dh..(kvh + 1) * group * dh];
-                        for j in 0..kv_len {
-                            let k = &kd[kvh * ks[0] + j * ks[1]..][..dh];
-                            for (g, q) in qs.chunks_exact(dh).enumerate() {
-                                probs[g * kv_len + j] = dot(q, k) * scale;
-                            }
+                    .for_each(|(h, (row, out))| {
+                        let kvh = h / group;
+                        let q = &qd[h * dh..(h + 1) * dh];
+                        for (j, p) in row.iter_mut().enumerate() {
+                            *p = dot(q, &kd[kvh * ks[0] + j * ks[1]..][..dh]) * scale;
                         }
                         if let Some(m) = &mask {
-                            let m = &m[kvh * group * kv_len..(kvh + 1) * group * kv_len];
-                            probs.iter_mut().zip(m).for_each(|(p, b)| *p += b);
+                            let bias = &m[h * kv_len..(h + 1) * kv_len];
+                            row.iter_mut().zip(bias).for_each(|(p, b)| *p += b);
                         }
-                        for row in probs.chunks_mut(kv_len) {
-                            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                            let mut sum = 0f32;
-                            for p in row.iter_mut() {
-                                *p = (*p - max).exp();
-                                sum += *p;
+                        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                        let mut sum = 0f32;
+                        for p in row.iter_mut() {
+                            *p = (*p - max).exp();
+                            sum += *p;
+                        }
+                        let inv = 1.0 / sum;
+                        for (j, p) in row.iter_mut().enumerate() {
+                            *p *= inv;
+                            if *p == 0.0 {
+                                continue;
                             }
-                            let inv = 1.0 / sum;
-                            row.iter_mut().for_each(|p| *p *= inv);
-                        }
-                        for j in 0..kv_len {
                             let v = &vd[kvh * vs[0] + j * vs[1]..][..dh];
-                            for g in 0..group {
-                                let p = probs[g * kv_len + j];
-                                if p == 0.0 {
-                                    continue;
-                                }
-                                for (o, x) in out[g * dh..(g + 1) * dh].iter_mut().zip(v) {
-                                    *o += p * x;
-                                }
+                            for (o, x) in out.iter_mut().zip(v) {
+                                *o += *p * x;
                             }
                         }
                     });
