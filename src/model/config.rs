@@ -40,11 +40,10 @@ impl Architecture {
     }
 }
 
-/// What one layer's attention looks like.
+/// What one layer's attention looks like. Llama layers are all alike; Gemma 3 will add
+/// a sliding window and a per-layer RoPE base here.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct LayerSpec {
-    /// Sliding attention window in tokens; `None` for full (global) attention.
-    pub window: Option<usize>,
     /// RoPE frequency base used by this layer.
     pub rope_base: f32,
 }
@@ -90,15 +89,9 @@ impl Config {
     pub fn layer(&self, _layer: usize) -> LayerSpec {
         match self.architecture {
             Architecture::Llama => LayerSpec {
-                window: None,
                 rope_base: self.rope_base,
             },
         }
-    }
-
-    /// Bytes one token occupies in an f32 KV cache (keys and values, all layers).
-    pub fn kv_bytes_per_token(&self) -> usize {
-        self.n_layers * self.n_kv_heads * self.d_head * 2 * std::mem::size_of::<f32>()
     }
 
     /// Read the configuration from GGUF metadata.

@@ -173,22 +173,9 @@ impl Model {
         &self.cfg
     }
 
-    /// How linear layers compute.
-    pub fn numerics(&self) -> Numerics {
-        self.numerics
-    }
-
     /// Set the prefill chunk size (tokens per forward step; at least 1).
     pub fn set_chunk(&mut self, chunk: usize) {
         self.chunk = chunk.max(1);
-    }
-
-    /// Bytes held by weights (all copies the chosen numerics keep).
-    pub fn weight_bytes(&self) -> usize {
-        let lin = |b: &Block| b.qkv.bytes() + b.gate_up.bytes() + b.wo.bytes() + b.down.bytes();
-        self.blocks.iter().map(lin).sum::<usize>()
-            + self.embed.elem_count() * 4
-            + self.lm_head.bytes()
     }
 
     /// The output projection of (layer, head): `W_O[:, head*d_head .. (head+1)*d_head]`,
