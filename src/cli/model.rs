@@ -18,7 +18,7 @@ pub enum ModelCommand {
         #[arg(long, env = "HEADWISE_MODELS_DIR", default_value = DEFAULT_MODELS_DIR)]
         models_dir: PathBuf,
     },
-    /// Print the configuration read from a GGUF file's metadata.
+    /// Print the configuration read from a GGUF file's metadata and its tensor types.
     Info {
         /// GGUF file.
         path: PathBuf,
@@ -42,6 +42,12 @@ pub fn run(cmd: ModelCommand) -> anyhow::Result<()> {
             let file = GgufFile::open(&path)?;
             let cfg = Config::from_gguf(file.content())?;
             println!("{}", serde_json::to_string_pretty(&cfg)?);
+            let mut types = std::collections::BTreeMap::<String, usize>::new();
+            for info in file.content().tensor_infos.values() {
+                *types.entry(format!("{:?}", info.ggml_dtype)).or_default() += 1;
+            }
+            let types: Vec<String> = types.iter().map(|(t, n)| format!("{t} x{n}")).collect();
+            println!("tensor types: {}", types.join(", "));
         }
     }
     Ok(())

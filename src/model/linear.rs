@@ -11,7 +11,7 @@
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
 
-use crate::model::q8::Q8Matrix;
+use crate::model::q8::{Q41Matrix, Q8Matrix};
 
 use crate::Result;
 
@@ -50,6 +50,27 @@ enum RowPath {
     Candle(QMatMul),
     /// headwise's 8-bit matrix-vector kernel.
     Q8(Q8Matrix),
+    /// headwise's kernel over the file's own Q4_1 blocks.
+    Q41(Q41Matrix),
+}
+
+/// The parts' Q4_1 blocks stacked row-wise, if every part is a 2-D Q4_1 tensor.
+fn stacked_q4_1(parts: &[&QTensor]) -> Result<Option<Q41Matrix>> {
+    if parts.iter().any(|p| p.dtype() != GgmlDType::Q4_1) {
+        return Ok(None);
+    }
+    let mut raw = Vec::new();
+    let (mut rows, mut cols) = (0, None);
+    for p in parts {
+        let (out, inp) = p.shape().dims2()?;
+        if cols.is_some_and(|c| c != inp) {
+            return Ok(None);
+        }
+        cols = Some(inp);
+        rows += out;
+        raw.extend_from_slice(&p.data()?);
+    }
+    Ok(cols.and_then(|c| Q41Matrix::from_gguf(&raw, rows, c)))
 }
 
 /// `y = x W^T` for a weight `W` of shape `(out, in)`.
@@ -70,6 +91,12 @@ impl Linear {
             }),
             Numerics::Fast => {
                 let dense = weight.dequantize(&Device::Cpu)?;
+                if let Some(m) = stacked_q4_1(&[&weight])? {
+                    return Ok(Self {
+                        rows: RowPath::Q41(m),
+                        dense: Some(dense),
+                    });
+                }
                 let exact = weight.dtype() == GgmlDType::F32;
                 Self::fast(dense, !exact, || QMatMul::from_qtensor(weight))
             }
@@ -118,13 +145,8 @@ impl Linear {
         match (&self.dense, &self.rows) {
             (Some(w), _) if rows >= DENSE_MIN_ROWS => Ok(x.matmul(&w.t()?)?),
             (_, RowPath::Candle(q)) => Ok(q.forward(x)?),
-            (_, RowPath::Q8(m)) => {
-                let mut out = Vec::with_capacity(rows * m.rows());
-                for r in 0..rows {
-                    out.extend(m.gemv(&x.get(r)?.to_vec1::<f32>()?));
-                }
-                Ok(Tensor::from_vec(out, (rows, m.rows()), &Device::Cpu)?)
-            }
+            (_, RowPath::Q8(m)) => per_row(x, m.rows(), |v| m.gemv(v)),
+            (_, RowPath::Q41(m)) => per_row(x, m.rows(), |v| m.gemv(v)),
         }
     }
 
@@ -136,7 +158,7 @@ impl Linear {
             (None, RowPath::Candle(QMatMul::Tensor(t) | QMatMul::TensorF16(t))) => {
                 Ok(t.to_dtype(candle_core::DType::F32)?)
             }
-            (None, RowPath::Q8(_)) => Err(crate::Error::invalid(
+            (None, RowPath::Q8(_) | RowPath::Q41(_)) => Err(crate::Error::invalid(
                 "weight",
                 "an 8-bit decode weight without its f32 copy",
             )),
@@ -151,9 +173,20 @@ impl Linear {
                 t.elem_count() * t.dtype().size_in_bytes()
             }
             RowPath::Q8(m) => m.bytes(),
+            RowPath::Q41(m) => m.bytes(),
         };
         rows + self.dense.as_ref().map_or(0, |d| d.elem_count() * 4)
     }
+}
+
+/// `x` `(rows, in)` through a matrix-vector product one row at a time -> `(rows, out)`.
+fn per_row(x: &Tensor, out: usize, gemv: impl Fn(&[f32]) -> Vec<f32>) -> Result<Tensor> {
+    let rows = x.dim(0)?;
+    let mut y = Vec::with_capacity(rows * out);
+    for r in 0..rows {
+        y.extend(gemv(&x.get(r)?.to_vec1::<f32>()?));
+    }
+    Ok(Tensor::from_vec(y, (rows, out), &Device::Cpu)?)
 }
 
 /// Several projections of the same input (Q, K and V; gate and up).
@@ -185,12 +218,19 @@ impl Projections {
                     .iter()
                     .map(|p| p.dequantize(&Device::Cpu))
                     .collect::<candle_core::Result<Vec<_>>>()?;
-                let widths = dense
+                let widths: Vec<usize> = dense
                     .iter()
                     .map(|d| d.dim(0))
                     .collect::<candle_core::Result<_>>()?;
-                let requantize = parts.iter().any(|p| p.dtype() != GgmlDType::F32);
                 let stacked = Tensor::cat(&dense, 0)?;
+                if let Some(m) = stacked_q4_1(&parts.iter().collect::<Vec<_>>())? {
+                    let weight = Linear {
+                        rows: RowPath::Q41(m),
+                        dense: Some(stacked),
+                    };
+                    return Ok(Projections::Stacked { weight, widths });
+                }
+                let requantize = parts.iter().any(|p| p.dtype() != GgmlDType::F32);
                 let fallback = || Ok(QMatMul::Tensor(stacked.clone()));
                 Ok(Projections::Stacked {
                     weight: Linear::fast(stacked.clone(), requantize, fallback)?,

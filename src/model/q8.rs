@@ -1,5 +1,6 @@
-//! Batch-1 matrix-vector products over 8-bit weights, the decode path of
-//! [`Numerics::Fast`](crate::model::Numerics::Fast).
+//! Batch-1 matrix-vector products with 8-bit activations, the decode path of
+//! [`Numerics::Fast`](crate::model::Numerics::Fast): [`Q8Matrix`] for 8-bit weights and
+//! [`Q41Matrix`] for the file's own Q4_1 blocks (half the bytes to stream).
 //!
 //! Weights are stored as blocks of 32 signed bytes with one f32 scale (`w ≈ d_w * q_w`),
 //! the activation vector is quantized the same way per call, and each block's integer dot
@@ -97,6 +98,89 @@ impl Q8Matrix {
     }
 }
 
+/// Q4_1 weights as GGUF stores them: per block of 32, `w = d * q + m` with `q` in
+/// `0..16`, the nibbles of element `j` and `j + 16` sharing byte `j`.
+///
+/// Against an 8-bit activation block (`x ≈ d_x * q_x`) the block's contribution is
+/// `d * d_x * dot(q, q_x) + m * d_x * sum(q_x)`; `q` is already unsigned, so `vpdpbusd`
+/// takes it as is.
+#[derive(Debug, Clone)]
+pub struct Q41Matrix {
+    rows: usize,
+    cols: usize,
+    /// `rows * cols / 2` bytes of nibbles, 16 per block.
+    nibbles: Vec<u8>,
+    /// Per block scale `d`.
+    d: Vec<f32>,
+    /// Per block offset `m`.
+    m: Vec<f32>,
+}
+
+/// Bytes of one GGUF Q4_1 block: f16 `d`, f16 `m`, 16 bytes of nibbles.
+const Q4_1_BLOCK_BYTES: usize = 20;
+
+impl Q41Matrix {
+    /// Read raw GGUF Q4_1 data of a row-major `(rows, cols)` matrix; `None` if the sizes
+    /// do not fit.
+    pub fn from_gguf(raw: &[u8], rows: usize, cols: usize) -> Option<Self> {
+        if !cols.is_multiple_of(BLOCK) || raw.len() != rows * cols / BLOCK * Q4_1_BLOCK_BYTES {
+            return None;
+        }
+        let blocks = rows * cols / BLOCK;
+        let (mut d, mut m) = (Vec::with_capacity(blocks), Vec::with_capacity(blocks));
+        let mut nibbles = Vec::with_capacity(blocks * BLOCK / 2);
+        for b in raw.chunks_exact(Q4_1_BLOCK_BYTES) {
+            d.push(half::f16::from_le_bytes([b[0], b[1]]).to_f32());
+            m.push(half::f16::from_le_bytes([b[2], b[3]]).to_f32());
+            nibbles.extend_from_slice(&b[4..]);
+        }
+        Some(Self {
+            rows,
+            cols,
+            nibbles,
+            d,
+            m,
+        })
+    }
+
+    /// Output width.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        self.nibbles.len() + 4 * (self.d.len() + self.m.len())
+    }
+
+    /// `y = W x` for `x` of length `cols`; returns `rows` values.
+    pub fn gemv(&self, x: &[f32]) -> Vec<f32> {
+        let nb = self.cols / BLOCK;
+        let mut xq = vec![0i8; self.cols];
+        let mut xd = vec![0f32; nb];
+        quantize_into(x, &mut xq, &mut xd);
+        // m * d_x * sum(q_x) needs the activation sums once per call.
+        let xs: Vec<f32> = xq
+            .chunks_exact(BLOCK)
+            .zip(&xd)
+            .map(|(q, d)| d * q.iter().map(|&v| v as i32).sum::<i32>() as f32)
+            .collect();
+        let mut y = vec![0f32; self.rows];
+        let kernel = Kernel::detect();
+        y.par_chunks_mut(ROWS_PER_TASK)
+            .enumerate()
+            .for_each(|(c, out)| {
+                for (i, o) in out.iter_mut().enumerate() {
+                    let r = c * ROWS_PER_TASK + i;
+                    let w = &self.nibbles[r * self.cols / 2..(r + 1) * self.cols / 2];
+                    let (d, m) = (&self.d[r * nb..(r + 1) * nb], &self.m[r * nb..(r + 1) * nb]);
+                    *o = kernel.row_q4_1(&xq, &xd, &xs, w, d, m);
+                }
+            });
+        y
+    }
+}
+
 /// Which instruction set computes the block dot products.
 #[derive(Clone, Copy)]
 enum Kernel {
@@ -115,6 +199,16 @@ impl Kernel {
             return Kernel::Vnni;
         }
         Kernel::Portable
+    }
+
+    /// One Q4_1 row: `sum_b d[b] * d_x[b] * dot(q_b, x_b) + m[b] * xs[b]`.
+    fn row_q4_1(self, x: &[i8], xd: &[f32], xs: &[f32], w: &[u8], d: &[f32], m: &[f32]) -> f32 {
+        match self {
+            Kernel::Portable => row_q4_1_portable(x, xd, xs, w, d, m),
+            // SAFETY: `detect` checked that the CPU has the features the function enables.
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Vnni => unsafe { row_q4_1_vnni(x, xd, xs, w, d, m) },
+        }
     }
 
     /// `sum_b d_x[b] * d_w[b] * dot(x_b, w_b)` over the blocks of one row.
@@ -177,6 +271,68 @@ unsafe fn row_vnni(x: &[i8], xd: &[f32], w: &[i8], ws: &[f32]) -> f32 {
     _mm_cvtss_f32(s1)
 }
 
+fn row_q4_1_portable(x: &[i8], xd: &[f32], xs: &[f32], w: &[u8], d: &[f32], m: &[f32]) -> f32 {
+    let mut sum = 0f32;
+    for b in 0..xd.len() {
+        let (xb, wb) = (
+            &x[b * BLOCK..(b + 1) * BLOCK],
+            &w[b * BLOCK / 2..(b + 1) * BLOCK / 2],
+        );
+        let dot: i32 = (0..BLOCK / 2)
+            .map(|j| (wb[j] & 0x0F) as i32 * xb[j] as i32 + (wb[j] >> 4) as i32 * xb[j + 16] as i32)
+            .sum();
+        sum += d[b] * xd[b] * dot as f32 + m[b] * xs[b];
+    }
+    sum
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512vnni,avx512vl,avx512f,avx2,fma")]
+unsafe fn row_q4_1_vnni(x: &[i8], xd: &[f32], xs: &[f32], w: &[u8], d: &[f32], m: &[f32]) -> f32 {
+    use std::arch::x86_64::*;
+    let low = _mm_set1_epi8(0x0F);
+    let block = |b: usize| {
+        let packed = _mm_loadu_si128(w.as_ptr().add(b * BLOCK / 2) as *const __m128i);
+        let lo = _mm_and_si128(packed, low);
+        let hi = _mm_and_si128(_mm_srli_epi16(packed, 4), low);
+        let q = _mm256_set_m128i(hi, lo);
+        let xv = _mm256_loadu_si256(x.as_ptr().add(b * BLOCK) as *const __m256i);
+        let dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, xv);
+        (_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d[b] * xd[b]))
+    };
+    let (mut acc0, mut acc1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+    let nb = xd.len();
+    let mut b = 0;
+    while b + 1 < nb {
+        let (d0, s0) = block(b);
+        let (d1, s1) = block(b + 1);
+        acc0 = _mm256_fmadd_ps(d0, s0, acc0);
+        acc1 = _mm256_fmadd_ps(d1, s1, acc1);
+        b += 2;
+    }
+    if b < nb {
+        let (d0, s0) = block(b);
+        acc0 = _mm256_fmadd_ps(d0, s0, acc0);
+    }
+    // The offsets, sum_b m[b] * xs[b], eight blocks at a time into a third accumulator.
+    let mut acc2 = _mm256_setzero_ps();
+    let mut b = 0;
+    while b + 8 <= nb {
+        acc2 = _mm256_fmadd_ps(
+            _mm256_loadu_ps(m.as_ptr().add(b)),
+            _mm256_loadu_ps(xs.as_ptr().add(b)),
+            acc2,
+        );
+        b += 8;
+    }
+    let tail: f32 = (b..nb).map(|i| m[i] * xs[i]).sum();
+    let acc = _mm256_add_ps(_mm256_add_ps(acc0, acc1), acc2);
+    let s4 = _mm_add_ps(_mm256_extractf128_ps(acc, 1), _mm256_castps256_ps128(acc));
+    let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    let s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
+    _mm_cvtss_f32(s1) + tail
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -224,6 +380,81 @@ mod tests {
             let a = row_portable(&xq, &xd, args.0, args.1);
             let b = kernel.row(&xq, &xd, args.0, args.1);
             assert!((a - b).abs() <= 1e-4 * a.abs().max(1.0), "{a} vs {b}");
+        }
+    }
+
+    /// GGUF Q4_1 bytes for `w` (rows of `cols`), quantized the way ggml does it.
+    fn q4_1_bytes(w: &[f32], cols: usize) -> Vec<u8> {
+        let mut out = Vec::new();
+        for blk in w.chunks_exact(BLOCK) {
+            let (lo, hi) = blk
+                .iter()
+                .fold((f32::MAX, f32::MIN), |(a, b), &v| (a.min(v), b.max(v)));
+            let d = (hi - lo) / 15.0;
+            let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+            out.extend(half::f16::from_f32(d).to_le_bytes());
+            out.extend(half::f16::from_f32(lo).to_le_bytes());
+            for j in 0..BLOCK / 2 {
+                let q = |v: f32| (((v - lo) * inv + 0.5) as u8).min(15);
+                out.push(q(blk[j]) | (q(blk[j + 16]) << 4));
+            }
+        }
+        assert_eq!(out.len(), w.len() / BLOCK * Q4_1_BLOCK_BYTES);
+        let _ = cols;
+        out
+    }
+
+    #[test]
+    fn q4_1_gemv_matches_the_dequantized_product() {
+        let (rows, cols) = (70, 96);
+        let w = data(rows * cols, 7);
+        let x = data(cols, 8);
+        let m = Q41Matrix::from_gguf(&q4_1_bytes(&w, cols), rows, cols).unwrap();
+        let y = m.gemv(&x);
+        // dequantize independently and multiply in f64
+        let nb = cols / BLOCK;
+        for r in 0..rows {
+            let mut exact = 0f64;
+            for c in 0..cols {
+                let b = r * nb + c / BLOCK;
+                let j = c % BLOCK;
+                let byte = m.nibbles[(r * cols + c - j) / 2 + j % 16];
+                let q = if j < 16 { byte & 0x0F } else { byte >> 4 };
+                exact += (m.d[b] * q as f32 + m.m[b]) as f64 * x[c] as f64;
+            }
+            // only the activation is rounded (8 bits, step 1/127 of each block's maximum)
+            assert!(
+                (y[r] as f64 - exact).abs() < 0.08,
+                "row {r}: {} vs {exact}",
+                y[r]
+            );
+            let w_err: f64 = (0..cols)
+                .map(|c| ((w[r * cols + c]) as f64 * x[c] as f64))
+                .sum();
+            assert!(
+                (y[r] as f64 - w_err).abs() < 0.6,
+                "row {r}: far from the f32 product"
+            );
+        }
+        assert_eq!(y.len(), m.rows());
+        // The SIMD kernel computes the same sums as the portable loop.
+        let mut xq = vec![0i8; cols];
+        let mut xd = vec![0f32; nb];
+        quantize_into(&x, &mut xq, &mut xd);
+        let xs: Vec<f32> = xq
+            .chunks_exact(BLOCK)
+            .zip(&xd)
+            .map(|(q, d)| d * q.iter().map(|&v| v as i32).sum::<i32>() as f32)
+            .collect();
+        for r in 0..rows {
+            let w = &m.nibbles[r * cols / 2..(r + 1) * cols / 2];
+            let (d, mm) = (&m.d[r * nb..(r + 1) * nb], &m.m[r * nb..(r + 1) * nb]);
+            let a = row_q4_1_portable(&xq, &xd, &xs, w, d, mm);
+            let b = Kernel::detect().row_q4_1(&xq, &xd, &xs, w, d, mm);
+            assert!(
+                (a - b).abs() <= 1e-4 * a.abs().max(1.0),
+                "row {r}: {a} vs {b}"
+            );
         }
     }
 
