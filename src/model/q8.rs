@@ -415,12 +415,12 @@ mod tests {
         let nb = cols / BLOCK;
         for r in 0..rows {
             let mut exact = 0f64;
-            for c in 0..cols {
+            for (c, xc) in x.iter().enumerate() {
                 let b = r * nb + c / BLOCK;
                 let j = c % BLOCK;
                 let byte = m.nibbles[(r * cols + c - j) / 2 + j % 16];
                 let q = if j < 16 { byte & 0x0F } else { byte >> 4 };
-                exact += (m.d[b] * q as f32 + m.m[b]) as f64 * x[c] as f64;
+                exact += (m.d[b] * q as f32 + m.m[b]) as f64 * *xc as f64;
             }
             // only the activation is rounded (8 bits, step 1/127 of each block's maximum)
             assert!(
@@ -428,11 +428,11 @@ mod tests {
                 "row {r}: {} vs {exact}",
                 y[r]
             );
-            let w_err: f64 = (0..cols)
-                .map(|c| ((w[r * cols + c]) as f64 * x[c] as f64))
+            let f32_product: f64 = (0..cols)
+                .map(|c| w[r * cols + c] as f64 * x[c] as f64)
                 .sum();
             assert!(
-                (y[r] as f64 - w_err).abs() < 0.6,
+                (y[r] as f64 - f32_product).abs() < 0.6,
                 "row {r}: far from the f32 product"
             );
         }
