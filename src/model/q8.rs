@@ -33,6 +33,19 @@ pub struct Q8Matrix {
     scales: Vec<f32>,
 }
 
+/// `row(r)` for every output row, in parallel chunks of [`ROWS_PER_TASK`].
+fn par_rows(rows: usize, row: impl Fn(usize) -> f32 + Sync) -> Vec<f32> {
+    let mut y = vec![0f32; rows];
+    y.par_chunks_mut(ROWS_PER_TASK)
+        .enumerate()
+        .for_each(|(c, out)| {
+            for (i, o) in out.iter_mut().enumerate() {
+                *o = row(c * ROWS_PER_TASK + i);
+            }
+        });
+    y
+}
+
 /// Quantize `x` (length a multiple of [`BLOCK`]) into `q` and per-block scales.
 fn quantize_into(x: &[f32], q: &mut [i8], scales: &mut [f32]) {
     for ((xb, qb), d) in x
@@ -82,19 +95,11 @@ impl Q8Matrix {
         let mut xq = vec![0i8; self.cols];
         let mut xd = vec![0f32; nb];
         quantize_into(x, &mut xq, &mut xd);
-        let mut y = vec![0f32; self.rows];
         let kernel = Kernel::detect();
-        y.par_chunks_mut(ROWS_PER_TASK)
-            .enumerate()
-            .for_each(|(c, out)| {
-                for (i, o) in out.iter_mut().enumerate() {
-                    let r = c * ROWS_PER_TASK + i;
-                    let w = &self.quants[r * self.cols..(r + 1) * self.cols];
-                    let ws = &self.scales[r * nb..(r + 1) * nb];
-                    *o = kernel.row(&xq, &xd, w, ws);
-                }
-            });
-        y
+        par_rows(self.rows, |r| {
+            let w = &self.quants[r * self.cols..(r + 1) * self.cols];
+            kernel.row(&xq, &xd, w, &self.scales[r * nb..(r + 1) * nb])
+        })
     }
 }
 
@@ -165,19 +170,12 @@ impl Q41Matrix {
             .zip(&xd)
             .map(|(q, d)| d * q.iter().map(|&v| v as i32).sum::<i32>() as f32)
             .collect();
-        let mut y = vec![0f32; self.rows];
         let kernel = Kernel::detect();
-        y.par_chunks_mut(ROWS_PER_TASK)
-            .enumerate()
-            .for_each(|(c, out)| {
-                for (i, o) in out.iter_mut().enumerate() {
-                    let r = c * ROWS_PER_TASK + i;
-                    let w = &self.nibbles[r * self.cols / 2..(r + 1) * self.cols / 2];
-                    let (d, m) = (&self.d[r * nb..(r + 1) * nb], &self.m[r * nb..(r + 1) * nb]);
-                    *o = kernel.row_q4_1(&xq, &xd, &xs, w, d, m);
-                }
-            });
-        y
+        par_rows(self.rows, |r| {
+            let w = &self.nibbles[r * self.cols / 2..(r + 1) * self.cols / 2];
+            let (d, m) = (&self.d[r * nb..(r + 1) * nb], &self.m[r * nb..(r + 1) * nb]);
+            kernel.row_q4_1(&xq, &xd, &xs, w, d, m)
+        })
     }
 }
 
@@ -249,9 +247,20 @@ unsafe fn row_vnni(x: &[i8], xd: &[f32], w: &[i8], ws: &[f32]) -> f32 {
         );
         (_mm256_cvtepi32_ps(dot), _mm256_set1_ps(xd[b] * ws[b]))
     };
-    // Two accumulators so consecutive blocks do not wait on each other's sums.
+    hsum(scaled_block_sum(xd.len(), block))
+}
+
+/// `sum_b dots(b) * scales(b)` over `nb` blocks, `block(b)` giving both as 8 lanes; two
+/// accumulators so consecutive blocks do not wait on each other's sums.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+fn scaled_block_sum(
+    nb: usize,
+    block: impl Fn(usize) -> (std::arch::x86_64::__m256, std::arch::x86_64::__m256),
+) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
     let (mut acc0, mut acc1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-    let nb = xd.len();
     let mut b = 0;
     while b + 1 < nb {
         let (d0, s0) = block(b);
@@ -264,11 +273,18 @@ unsafe fn row_vnni(x: &[i8], xd: &[f32], w: &[i8], ws: &[f32]) -> f32 {
         let (d0, s0) = block(b);
         acc0 = _mm256_fmadd_ps(d0, s0, acc0);
     }
-    let acc = _mm256_add_ps(acc0, acc1);
-    let s4 = _mm_add_ps(_mm256_extractf128_ps(acc, 1), _mm256_castps256_ps128(acc));
+    _mm256_add_ps(acc0, acc1)
+}
+
+/// Sum of the eight lanes.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2")]
+fn hsum(v: std::arch::x86_64::__m256) -> f32 {
+    use std::arch::x86_64::*;
+    let s4 = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
     let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    let s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
-    _mm_cvtss_f32(s1)
+    _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)))
 }
 
 fn row_q4_1_portable(x: &[i8], xd: &[f32], xs: &[f32], w: &[u8], d: &[f32], m: &[f32]) -> f32 {
@@ -300,20 +316,8 @@ unsafe fn row_q4_1_vnni(x: &[i8], xd: &[f32], xs: &[f32], w: &[u8], d: &[f32], m
         let dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, xv);
         (_mm256_cvtepi32_ps(dot), _mm256_set1_ps(d[b] * xd[b]))
     };
-    let (mut acc0, mut acc1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
     let nb = xd.len();
-    let mut b = 0;
-    while b + 1 < nb {
-        let (d0, s0) = block(b);
-        let (d1, s1) = block(b + 1);
-        acc0 = _mm256_fmadd_ps(d0, s0, acc0);
-        acc1 = _mm256_fmadd_ps(d1, s1, acc1);
-        b += 2;
-    }
-    if b < nb {
-        let (d0, s0) = block(b);
-        acc0 = _mm256_fmadd_ps(d0, s0, acc0);
-    }
+    let dots = scaled_block_sum(nb, block);
     // The offsets, sum_b m[b] * xs[b], eight blocks at a time into a third accumulator.
     let mut acc2 = _mm256_setzero_ps();
     let mut b = 0;
@@ -326,11 +330,7 @@ unsafe fn row_q4_1_vnni(x: &[i8], xd: &[f32], xs: &[f32], w: &[u8], d: &[f32], m
         b += 8;
     }
     let tail: f32 = (b..nb).map(|i| m[i] * xs[i]).sum();
-    let acc = _mm256_add_ps(_mm256_add_ps(acc0, acc1), acc2);
-    let s4 = _mm_add_ps(_mm256_extractf128_ps(acc, 1), _mm256_castps256_ps128(acc));
-    let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    let s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
-    _mm_cvtss_f32(s1) + tail
+    hsum(_mm256_add_ps(dots, acc2)) + tail
 }
 
 #[cfg(test)]
