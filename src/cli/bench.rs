@@ -23,6 +23,10 @@ pub struct BenchArgs {
     /// Engines to measure.
     #[arg(long, value_delimiter = ',', default_value = "instrumented,mistralrs")]
     engines: Vec<String>,
+    /// Also run llama.cpp's `llama-bench` binary (2 threads) on the same GGUF and add its
+    /// rows (see ../shared/tools/build-llama-bench.sh in the workplace).
+    #[arg(long)]
+    llama_bench: Option<PathBuf>,
     #[command(flatten)]
     model: ModelArgs,
 }
@@ -73,8 +77,68 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             records.push(record);
         }
     }
+    if let Some(bin) = &args.llama_bench {
+        eprintln!("measuring llama.cpp ({}) ...", bin.display());
+        records.extend(llama_bench(
+            bin,
+            &path,
+            &args.prompt_tokens,
+            args.decode_tokens,
+        )?);
+    }
     print_table(&records);
     Ok(())
+}
+
+/// `llama-bench` (2 threads, 2 repetitions) per prompt length: prompt processing of `n`
+/// tokens, and generation of `decode` tokens after `n` tokens of context (`-d n`), the
+/// same two quantities the other engines report.
+fn llama_bench(
+    bin: &std::path::Path,
+    model: &std::path::Path,
+    lengths: &[usize],
+    decode: usize,
+) -> anyhow::Result<Vec<BenchRecord>> {
+    let rate = |extra: &[String]| -> anyhow::Result<f64> {
+        let out = Command::new(bin)
+            .arg("-m")
+            .arg(model)
+            .args(["-t", "2", "-r", "2", "-o", "json"])
+            .args(extra)
+            .output()
+            .map_err(|e| anyhow::anyhow!("cannot run {}: {e}", bin.display()))?;
+        if !out.status.success() {
+            anyhow::bail!(
+                "llama-bench failed: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+        }
+        let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout)?;
+        rows.first()
+            .and_then(|r| r["avg_ts"].as_f64())
+            .ok_or_else(|| anyhow::anyhow!("llama-bench printed no result for {extra:?}"))
+    };
+    let mut records = Vec::new();
+    for &n in lengths {
+        let prompt = rate(&["-p".into(), n.to_string(), "-n".into(), "0".into()])?;
+        let gen = rate(&[
+            "-p".into(),
+            "0".into(),
+            "-n".into(),
+            decode.to_string(),
+            "-d".into(),
+            n.to_string(),
+        ])?;
+        records.push(BenchRecord {
+            engine: "llama.cpp".into(),
+            prompt_tokens: n,
+            decode_tokens: decode,
+            prefill_tok_s: prompt,
+            decode_tok_s: gen,
+            peak_rss_bytes: None,
+        });
+    }
+    Ok(records)
 }
 
 fn numerics_name(n: Numerics) -> &'static str {
@@ -108,18 +172,24 @@ fn print_table(records: &[BenchRecord]) {
             .find(|r| r.engine == e && r.prompt_tokens == n)
     };
     let mut lengths: Vec<usize> = records.iter().map(|r| r.prompt_tokens).collect();
+    lengths.sort_unstable();
     lengths.dedup();
     for n in lengths {
-        if let (Some(a), Some(b)) = (find("instrumented", n), find("mistralrs", n)) {
-            println!(
-                "\nat {n} tokens, instrumented / mistral.rs: prefill {:.2}x, decode {:.2}x, peak memory {:.2}x",
-                a.prefill_tok_s / b.prefill_tok_s,
-                a.decode_tok_s / b.decode_tok_s,
-                match (a.peak_rss_bytes, b.peak_rss_bytes) {
-                    (Some(x), Some(y)) => x as f64 / y as f64,
-                    _ => f64::NAN,
-                }
-            );
+        let Some(a) = find("instrumented", n) else {
+            continue;
+        };
+        for (engine, label) in [("mistralrs", "mistral.rs"), ("llama.cpp", "llama.cpp")] {
+            if let Some(b) = find(engine, n) {
+                let memory = match (a.peak_rss_bytes, b.peak_rss_bytes) {
+                    (Some(x), Some(y)) => format!(", peak memory {:.2}x", x as f64 / y as f64),
+                    _ => String::new(),
+                };
+                println!(
+                    "\nat {n} tokens, instrumented / {label}: prefill {:.2}x, decode {:.2}x{memory}",
+                    a.prefill_tok_s / b.prefill_tok_s,
+                    a.decode_tok_s / b.decode_tok_s,
+                );
+            }
         }
     }
 }
