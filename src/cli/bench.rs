@@ -109,7 +109,8 @@ fn llama_bench(
             .map_err(|e| anyhow::anyhow!("cannot run {}: {e}", bin.display()))?;
         if !out.status.success() {
             anyhow::bail!(
-                "llama-bench failed: {}",
+                "llama-bench failed ({}): {}",
+                out.status,
                 String::from_utf8_lossy(&out.stderr).trim()
             );
         }
