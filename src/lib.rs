@@ -12,5 +12,6 @@ pub mod error;
 pub mod model;
 #[cfg(feature = "mistralrs")]
 pub mod parity;
+pub mod results;
 
 pub use error::{Error, Result};

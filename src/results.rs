@@ -1,0 +1,104 @@
+//! Result files in the project's shared format (one flat JSON record per measured
+//! number, `summary.json`, next to a human-readable `README.md`), written atomically.
+
+use std::io::Write;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use crate::{Error, Result};
+
+/// Version of the record layout below.
+pub const SCHEMA_VERSION: u32 = 1;
+
+/// One measured number. Fields that do not apply are `None` (written as `null`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ResultRecord {
+    pub schema_version: u32,
+    pub experiment: String,
+    pub model: String,
+    pub model_sha256: String,
+    pub task: Option<String>,
+    pub context_tokens: Option<usize>,
+    pub selection: Option<String>,
+    pub k: Option<usize>,
+    pub seed: Option<u64>,
+    pub mode: Option<String>,
+    pub policy: Option<String>,
+    pub metric: String,
+    pub value: f64,
+    pub n: usize,
+}
+
+/// Write `bytes` to `path` through a temporary file in the same folder and a rename, so
+/// a reader never sees half a file and an interrupted run leaves the old one intact.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let tmp = dir.join(format!(".{name}.{}.tmp", std::process::id()));
+    let write = || -> std::io::Result<()> {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, path)
+    };
+    write().map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        Error::io(path, e)
+    })
+}
+
+/// Write an experiment folder: `README.md` and `summary.json`.
+pub fn write_experiment(dir: &Path, readme: &str, records: &[ResultRecord]) -> Result<()> {
+    let json = serde_json::to_string_pretty(records)
+        .map_err(|e| Error::invalid("results", e.to_string()))?;
+    write_atomic(&dir.join("summary.json"), json.as_bytes())?;
+    write_atomic(&dir.join("README.md"), readme.as_bytes())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn atomic_write_replaces_the_file_and_leaves_no_temporary() {
+        let dir = std::env::temp_dir().join(format!("headwise-results-{}", std::process::id()));
+        let path = dir.join("summary.json");
+        write_atomic(&path, b"old").unwrap();
+        write_atomic(&path, b"new").unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), b"new");
+        let names: Vec<String> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(names, vec!["summary.json".to_string()]);
+    }
+
+    #[test]
+    fn records_write_null_for_fields_that_do_not_apply() {
+        let r = ResultRecord {
+            schema_version: SCHEMA_VERSION,
+            experiment: "parity".into(),
+            model: "m".into(),
+            model_sha256: "00".into(),
+            task: None,
+            context_tokens: Some(5),
+            selection: None,
+            k: None,
+            seed: None,
+            mode: None,
+            policy: Some("full".into()),
+            metric: "top1_agreement".into(),
+            value: 1.0,
+            n: 5,
+        };
+        let json = serde_json::to_value(&r).unwrap();
+        assert!(json["k"].is_null() && json["mode"].is_null());
+        assert_eq!(serde_json::from_value::<ResultRecord>(json).unwrap(), r);
+    }
+}
