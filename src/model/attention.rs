@@ -121,12 +121,16 @@ pub(crate) fn single_query(
     values: &Tensor,
     mask: Option<&Tensor>,
 ) -> Result<(Tensor, Tensor)> {
-    let (nh, _, dh) = q.dims3()?;
-    let (nkv, kv_len, _) = keys.dims3()?;
-    let group = nh / nkv;
-    let scale = 1.0 / (dh as f32).sqrt();
+    let Shapes {
+        nh,
+        dh,
+        kv_len,
+        group,
+        scale,
+        ..
+    } = Shapes::of(q, keys)?;
     let q = q.contiguous()?;
-    let mask: Option<Vec<f32>> = mask.map(|m| m.flatten_all()?.to_vec1()).transpose()?;
+    let mask = mask_values(mask)?;
     let mut probs = vec![0f32; nh * kv_len];
     let mut out = vec![0f32; nh * dh];
     with_data(&q, |qd, _| {
@@ -173,6 +177,38 @@ pub(crate) fn single_query(
         Tensor::from_vec(out, (nh, 1, dh), &Device::Cpu)?,
         Tensor::from_vec(probs, (nh, 1, kv_len), &Device::Cpu)?,
     ))
+}
+
+/// Sizes shared by the loop kernels.
+struct Shapes {
+    nh: usize,
+    q_len: usize,
+    dh: usize,
+    kv_len: usize,
+    /// Query heads per KV head.
+    group: usize,
+    /// `1 / sqrt(d_head)`.
+    scale: f32,
+}
+
+impl Shapes {
+    fn of(q: &Tensor, keys: &Tensor) -> Result<Self> {
+        let (nh, q_len, dh) = q.dims3()?;
+        let (nkv, kv_len, _) = keys.dims3()?;
+        Ok(Self {
+            nh,
+            q_len,
+            dh,
+            kv_len,
+            group: nh / nkv,
+            scale: 1.0 / (dh as f32).sqrt(),
+        })
+    }
+}
+
+/// The additive mask `(n_heads, q, kv_len)` as a flat vector, if any.
+fn mask_values(mask: Option<&Tensor>) -> Result<Option<Vec<f32>>> {
+    Ok(mask.map(|m| m.flatten_all()?.to_vec1()).transpose()?)
 }
 
 /// Borrow the f32 data of a CPU tensor with its strides and start offset.
@@ -279,12 +315,16 @@ pub(crate) fn streaming(
     start: usize,
     mask: Option<&Tensor>,
 ) -> Result<Tensor> {
-    let (nh, q_len, dh) = q.dims3()?;
-    let (nkv, kv_len, _) = keys.dims3()?;
-    let group = nh / nkv;
-    let scale = 1.0 / (dh as f32).sqrt();
+    let Shapes {
+        nh,
+        q_len,
+        dh,
+        kv_len,
+        group,
+        scale,
+    } = Shapes::of(q, keys)?;
     let q = q.contiguous()?;
-    let mask: Option<Vec<f32>> = mask.map(|m| m.flatten_all()?.to_vec1()).transpose()?;
+    let mask = mask_values(mask)?;
     let mut out = vec![0f32; nh * q_len * dh];
     with_data(&q, |qd, _| {
         with_data(keys, |kd, ks| {
