@@ -66,11 +66,6 @@ impl Interventions {
         Self::default()
     }
 
-    /// Whether there is no edit at all.
-    pub fn is_empty(&self) -> bool {
-        self.layers.is_empty()
-    }
-
     /// The edit of (layer, head), created empty if absent.
     pub fn head(&mut self, layer: usize, head: usize) -> &mut HeadEdit {
         self.layers

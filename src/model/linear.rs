@@ -164,19 +164,6 @@ impl Linear {
             )),
         }
     }
-
-    /// Bytes held by this layer's weights (every copy).
-    pub fn bytes(&self) -> usize {
-        let rows = match &self.rows {
-            RowPath::Candle(QMatMul::QTensor(t)) => t.storage_size_in_bytes(),
-            RowPath::Candle(QMatMul::Tensor(t) | QMatMul::TensorF16(t)) => {
-                t.elem_count() * t.dtype().size_in_bytes()
-            }
-            RowPath::Q8(m) => m.bytes(),
-            RowPath::Q41(m) => m.bytes(),
-        };
-        rows + self.dense.as_ref().map_or(0, |d| d.elem_count() * 4)
-    }
 }
 
 /// `x` `(rows, in)` through a matrix-vector product one row at a time -> `(rows, out)`.
@@ -256,14 +243,6 @@ impl Projections {
                     })
                     .collect()
             }
-        }
-    }
-
-    /// Bytes held by the weights.
-    pub fn bytes(&self) -> usize {
-        match self {
-            Projections::Separate(parts) => parts.iter().map(Linear::bytes).sum(),
-            Projections::Stacked { weight, .. } => weight.bytes(),
         }
     }
 }

@@ -84,11 +84,6 @@ impl Q8Matrix {
         self.rows
     }
 
-    /// Bytes held.
-    pub fn bytes(&self) -> usize {
-        self.quants.len() + 4 * self.scales.len()
-    }
-
     /// `y = W x` for `x` of length `cols`; returns `rows` values.
     pub fn gemv(&self, x: &[f32]) -> Vec<f32> {
         let nb = self.cols / BLOCK;
@@ -151,11 +146,6 @@ impl Q41Matrix {
     /// Output width.
     pub fn rows(&self) -> usize {
         self.rows
-    }
-
-    /// Bytes held.
-    pub fn bytes(&self) -> usize {
-        self.nibbles.len() + 4 * (self.d.len() + self.m.len())
     }
 
     /// `y = W x` for `x` of length `cols`; returns `rows` values.
