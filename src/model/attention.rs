@@ -3,9 +3,9 @@
 //!
 //! * [`batched`]: candle matrix products and a softmax over the whole score matrix:
 //!   fast for prefill, and it yields the attention probabilities as a by-product;
-//! * [`single_query`]: one decode step in plain loops over the KV cache, one parallel
-//!   task per head, 16-lane dot products: a matrix product with one row spends most of
-//!   its time packing operands;
+//! * [`single_query`]: one decode step in plain loops over the KV cache, parallel over
+//!   KV heads and parts of the keys, 16-lane dot products and a vectorised `exp`: a
+//!   matrix product with one row spends most of its time packing operands;
 //! * [`streaming`]: a one-pass online softmax (Milakov and Gimelshein 2018, as in
 //!   FlashAttention) that visits key positions in order, one query row at a time, and
 //!   for a single query splits the keys into tiles of 16 merged left to right. This is the
@@ -23,6 +23,7 @@
 use candle_core::{Device, Storage, Tensor};
 use rayon::prelude::*;
 
+use crate::model::fast_exp;
 use crate::{Error, Result};
 
 /// Keys per tile in the single-query path.
@@ -113,14 +114,25 @@ unsafe fn dot_avx512(a: &[f32], b: &[f32]) -> f32 {
     _mm512_reduce_add_ps(acc)
 }
 
-/// Attention of one query position per head (a decode step); returns `(output,
-/// probabilities)`: `(n_heads, 1, d_head)` and `(n_heads, 1, kv_len)`.
+/// Fewest keys in one part of the single-query path: below this, splitting the keys
+/// costs more than it balances.
+const MIN_PART: usize = 64;
+
+/// Attention of one query position per head (a decode step): `(n_heads, 1, d_head)` and,
+/// when `want_probs`, the probabilities `(n_heads, 1, kv_len)`.
+///
+/// Each parallel task takes one KV head and a contiguous part of the keys, and serves all
+/// query heads of the group from it, so every key and value row is read from memory once
+/// per step, not once per query head. A task leaves, per query head, the unnormalised
+/// weights `exp(s - m_part)`, their maximum `m_part` and sum, and `sum_j w_j v_j`; the
+/// parts are then merged with the usual rescaling by `exp(m_part - m)`.
 pub(crate) fn single_query(
     q: &Tensor,
     keys: &Tensor,
     values: &Tensor,
     mask: Option<&Tensor>,
-) -> Result<(Tensor, Tensor)> {
+    want_probs: bool,
+) -> Result<(Tensor, Option<Tensor>)> {
     let Shapes {
         nh,
         dh,
@@ -129,43 +141,61 @@ pub(crate) fn single_query(
         scale,
         ..
     } = Shapes::of(q, keys)?;
+    let nkv = nh / group;
+    // Enough tasks for two per thread, in parts of at least MIN_PART keys.
+    let parts = (2 * rayon::current_num_threads())
+        .div_ceil(nkv)
+        .min(kv_len.div_ceil(MIN_PART))
+        .max(1);
+    let span = kv_len.div_ceil(parts);
     let q = q.contiguous()?;
     let mask = mask_values(mask)?;
-    let mut probs = vec![0f32; nh * kv_len];
-    let mut out = vec![0f32; nh * dh];
+    // Per (KV head, part): `group` rows of `span` weights, then per query head its
+    // maximum, sum and weighted values.
+    let mut weights = vec![0f32; nkv * parts * group * span];
+    let mut stats = vec![Part::default(); nkv * parts * group];
+    let mut accs = vec![0f32; nkv * parts * group * dh];
     with_data(&q, |qd, _| {
         with_data(keys, |kd, ks| {
             with_data(values, |vd, vs| {
-                // One task per query head (nine tasks balance two cores better than three).
-                probs
-                    .par_chunks_mut(kv_len)
-                    .zip(out.par_chunks_mut(dh))
+                weights
+                    .par_chunks_mut(group * span)
+                    .zip(stats.par_chunks_mut(group))
+                    .zip(accs.par_chunks_mut(group * dh))
                     .enumerate()
-                    .for_each(|(h, (row, out))| {
-                        let kvh = h / group;
-                        let q = &qd[h * dh..(h + 1) * dh];
-                        for (j, p) in row.iter_mut().enumerate() {
-                            *p = dot(q, &kd[kvh * ks[0] + j * ks[1]..][..dh]) * scale;
-                        }
-                        if let Some(m) = &mask {
-                            let bias = &m[h * kv_len..(h + 1) * kv_len];
-                            row.iter_mut().zip(bias).for_each(|(p, b)| *p += b);
-                        }
-                        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                        let mut sum = 0f32;
-                        for p in row.iter_mut() {
-                            *p = (*p - max).exp();
-                            sum += *p;
-                        }
-                        let inv = 1.0 / sum;
-                        for (j, p) in row.iter_mut().enumerate() {
-                            *p *= inv;
-                            if *p == 0.0 {
-                                continue;
+                    .for_each(|(task, ((w, st), acc))| {
+                        let (kvh, part) = (task / parts, task % parts);
+                        let keys = part * span..((part + 1) * span).min(kv_len);
+                        let n = keys.len();
+                        for (i, j) in keys.clone().enumerate() {
+                            let k = &kd[kvh * ks[0] + j * ks[1]..][..dh];
+                            for g in 0..group {
+                                let h = kvh * group + g;
+                                w[g * span + i] = dot(&qd[h * dh..(h + 1) * dh], k) * scale;
                             }
+                        }
+                        for (g, st) in st.iter_mut().enumerate() {
+                            let row = &mut w[g * span..g * span + n];
+                            if let Some(m) = &mask {
+                                let h = kvh * group + g;
+                                let bias = &m[h * kv_len + keys.start..][..n];
+                                row.iter_mut().zip(bias).for_each(|(p, b)| *p += b);
+                            }
+                            st.max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                            st.sum = if st.max == f32::NEG_INFINITY {
+                                row.fill(0.0);
+                                0.0
+                            } else {
+                                fast_exp::exp_shifted(row, st.max)
+                            };
+                        }
+                        for (i, j) in keys.enumerate() {
                             let v = &vd[kvh * vs[0] + j * vs[1]..][..dh];
-                            for (o, x) in out.iter_mut().zip(v) {
-                                *o += *p * x;
+                            for (g, acc) in acc.chunks_exact_mut(dh).enumerate() {
+                                let p = w[g * span + i];
+                                if p != 0.0 {
+                                    acc.iter_mut().zip(v).for_each(|(a, x)| *a += p * x);
+                                }
                             }
                         }
                     });
@@ -173,10 +203,64 @@ pub(crate) fn single_query(
             })
         })
     })?;
-    Ok((
-        Tensor::from_vec(out, (nh, 1, dh), &Device::Cpu)?,
-        Tensor::from_vec(probs, (nh, 1, kv_len), &Device::Cpu)?,
-    ))
+    // Merge the parts of each query head.
+    let mut out = vec![0f32; nh * dh];
+    let mut probs = want_probs.then(|| vec![0f32; nh * kv_len]);
+    let mut factors = vec![0f32; parts];
+    for h in 0..nh {
+        let (kvh, g) = (h / group, h % group);
+        let at = |part: usize| (kvh * parts + part) * group + g;
+        let max = (0..parts)
+            .map(|p| stats[at(p)].max)
+            .fold(f32::NEG_INFINITY, f32::max);
+        let mut total = 0f32;
+        for (p, f) in factors.iter_mut().enumerate() {
+            let st = &stats[at(p)];
+            *f = if st.sum > 0.0 {
+                (st.max - max).exp()
+            } else {
+                0.0
+            };
+            total += st.sum * *f;
+        }
+        let o = &mut out[h * dh..(h + 1) * dh];
+        for (p, f) in factors.iter().enumerate() {
+            let acc = &accs[at(p) * dh..][..dh];
+            o.iter_mut().zip(acc).for_each(|(o, a)| *o += a * f / total);
+        }
+        if let Some(probs) = &mut probs {
+            for (p, f) in factors.iter().enumerate() {
+                let first = p * span;
+                let n = span.min(kv_len - first.min(kv_len));
+                let w = &weights[at(p) * span..][..n];
+                let dst = &mut probs[h * kv_len + first..][..n];
+                dst.iter_mut().zip(w).for_each(|(d, w)| *d = w * f / total);
+            }
+        }
+    }
+    let out = Tensor::from_vec(out, (nh, 1, dh), &Device::Cpu)?;
+    let probs = probs
+        .map(|p| Tensor::from_vec(p, (nh, 1, kv_len), &Device::Cpu))
+        .transpose()?;
+    Ok((out, probs))
+}
+
+/// One query head's softmax statistics over one part of the keys.
+#[derive(Debug, Clone, Copy)]
+struct Part {
+    /// Largest score (`-inf` when every key of the part is masked).
+    max: f32,
+    /// `sum_j exp(s_j - max)`.
+    sum: f32,
+}
+
+impl Default for Part {
+    fn default() -> Self {
+        Self {
+            max: f32::NEG_INFINITY,
+            sum: 0.0,
+        }
+    }
 }
 
 /// Sizes shared by the loop kernels.
@@ -399,23 +483,67 @@ mod tests {
         }
     }
 
+    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+        (a - b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+    }
+
     #[test]
     fn single_query_matches_batched_attention() {
-        let q = Tensor::randn(0f32, 1.0, (6, 1, 64), &Device::Cpu).unwrap();
-        let k = Tensor::randn(0f32, 1.0, (2, 37, 64), &Device::Cpu).unwrap();
-        let v = Tensor::randn(0f32, 1.0, (2, 37, 64), &Device::Cpu).unwrap();
-        let (o1, p1) = single_query(&q, &k, &v, None).unwrap();
-        let (o2, p2) = batched(&q, &k, &v, None, None).unwrap();
-        let d = |a: &Tensor, b: &Tensor| {
-            (a - b)
-                .unwrap()
+        // 37 keys: one part; 300 keys: several parts per KV head; MQA (4 heads, 1 KV head).
+        for (nh, nkv, kv_len) in [(6, 2, 37), (9, 3, 300), (4, 1, 1000)] {
+            let q = Tensor::randn(0f32, 1.0, (nh, 1, 64), &Device::Cpu).unwrap();
+            let k = Tensor::randn(0f32, 1.0, (nkv, kv_len, 64), &Device::Cpu).unwrap();
+            let v = Tensor::randn(0f32, 1.0, (nkv, kv_len, 64), &Device::Cpu).unwrap();
+            let (o1, p1) = single_query(&q, &k, &v, None, true).unwrap();
+            let (o2, p2) = batched(&q, &k, &v, None, None).unwrap();
+            assert!(max_diff(&o1, &o2) < 1e-5, "{nh}/{nkv}/{kv_len}");
+            assert!(max_diff(&p1.unwrap(), &p2) < 1e-6, "{nh}/{nkv}/{kv_len}");
+            let (o3, none) = single_query(&q, &k, &v, None, false).unwrap();
+            assert!(none.is_none() && max_diff(&o1, &o3) == 0.0);
+        }
+    }
+
+    #[test]
+    fn single_query_honours_masks_that_blank_whole_parts() {
+        let (nh, nkv, kv_len) = (9, 3, 400);
+        let q = Tensor::randn(0f32, 1.0, (nh, 1, 64), &Device::Cpu).unwrap();
+        let k = Tensor::randn(0f32, 1.0, (nkv, kv_len, 64), &Device::Cpu).unwrap();
+        let v = Tensor::randn(0f32, 1.0, (nkv, kv_len, 64), &Device::Cpu).unwrap();
+        // keep 4 sink keys and the last 8: everything between is masked
+        let mask: Vec<f32> = (0..nh * kv_len)
+            .map(|i| {
+                let j = i % kv_len;
+                if j < 4 || j >= kv_len - 8 {
+                    0.0
+                } else {
+                    f32::NEG_INFINITY
+                }
+            })
+            .collect();
+        let mask = Tensor::from_vec(mask, (nh, 1, kv_len), &Device::Cpu).unwrap();
+        let (o1, p1) = single_query(&q, &k, &v, Some(&mask), true).unwrap();
+        let (o2, p2) = batched(&q, &k, &v, Some(&mask), None).unwrap();
+        let p1 = p1.unwrap();
+        assert!(max_diff(&o1, &o2) < 1e-5 && max_diff(&p1, &p2) < 1e-6);
+        let kept: f32 = p1.sum_all().unwrap().to_scalar().unwrap();
+        assert!((kept - nh as f32).abs() < 1e-4);
+        let masked = p1.narrow(2, 4, kv_len - 12).unwrap();
+        assert_eq!(
+            masked
                 .abs()
                 .unwrap()
                 .max_all()
                 .unwrap()
                 .to_scalar::<f32>()
-                .unwrap()
-        };
-        assert!(d(&o1, &o2) < 1e-5 && d(&p1, &p2) < 1e-6);
+                .unwrap(),
+            0.0
+        );
     }
 }

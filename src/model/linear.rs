@@ -70,7 +70,7 @@ fn stacked_q4_1(parts: &[&QTensor]) -> Result<Option<Q41Matrix>> {
         rows += out;
         raw.extend_from_slice(&p.data()?);
     }
-    Ok(cols.and_then(|c| Q41Matrix::from_gguf(&raw, rows, c)))
+    Ok(cols.and_then(|c| Q41Matrix::from_gguf(raw, rows, c)))
 }
 
 /// `y = x W^T` for a weight `W` of shape `(out, in)`.

