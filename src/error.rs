@@ -60,6 +60,9 @@ pub enum Error {
     /// The mistral.rs reference engine failed.
     #[error("mistral.rs: {0}")]
     Engine(String),
+    /// The llama.cpp reference binaries failed or are missing.
+    #[error("llama.cpp: {0}")]
+    LlamaCpp(String),
     /// A tensor operation failed inside candle.
     #[error("tensor op: {0}")]
     Candle(#[from] candle_core::Error),

@@ -2,16 +2,15 @@
 //!
 //! The foundation is [`model`], an instrumented forward pass over a real GGUF model in
 //! which every attention head can be observed ([`model::Observer`]) and changed
-//! ([`model::Interventions`]), and [`engine`], the mistral.rs reference engine it is
-//! checked against ([`parity`]).
+//! ([`model::Interventions`]), and [`engine`], the reference engines it is checked
+//! against ([`parity`]): mistral.rs for llama models, llama.cpp for Gemma 3.
 
 pub mod bench;
-#[cfg(feature = "mistralrs")]
 pub mod engine;
 pub mod error;
 pub mod model;
-#[cfg(feature = "mistralrs")]
 pub mod parity;
+pub mod perplexity;
 pub mod results;
 
 pub use error::{Error, Result};

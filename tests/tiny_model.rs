@@ -311,7 +311,7 @@ fn truncating_the_cache_and_continuing_equals_a_fresh_run() {
     assert_eq!(cache.allocated_bytes(), bytes(10));
     run(&TOKENS[10..], &mut cache); // doubles
     assert_eq!(cache.allocated_bytes(), bytes(20));
-    cache.truncate(5);
+    cache.truncate(5).unwrap();
     assert_eq!(cache.len(), 5);
     let again = model
         .forward(

@@ -340,3 +340,265 @@ fn mistralrs_tokenization_matches_except_documented_rule_differences() {
     );
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
+
+// ---------------------------------------------------------------------------------------
+// Gemma 3 (SentencePiece-style `llama` vocabulary) against llama.cpp.
+// ---------------------------------------------------------------------------------------
+
+/// The Gemma 3 270M GGUF (`models/gemma-3-270m-q4_k_m.gguf`, or in `$HEADWISE_MODELS_DIR`),
+/// `None` (with a message) when it is absent: these tests then skip. Fetch it with
+/// `headwise model fetch gemma3-270m`.
+fn gemma_content() -> Option<Content> {
+    let dir = std::env::var("HEADWISE_MODELS_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models"));
+    let path = dir.join("gemma-3-270m-q4_k_m.gguf");
+    if !path.exists() {
+        eprintln!(
+            "skipping the Gemma 3 tokenizer test: {} is absent (fetch it with `headwise model fetch gemma3-270m`)",
+            path.display()
+        );
+        return None;
+    }
+    let mut file = std::fs::File::open(&path).expect("open Gemma model");
+    Some(Content::read(&mut file).expect("read Gemma GGUF metadata"))
+}
+
+fn gemma() -> Option<(Content, Tokenizer, SpecialTokens)> {
+    let content = gemma_content()?;
+    let start = std::time::Instant::now();
+    let (tok, sp) = tokenizer_from_gguf(&content).expect("Gemma tokenizer from GGUF");
+    let elapsed = start.elapsed();
+    eprintln!("Gemma 3 tokenizer (262,144 tokens) built in {elapsed:?}");
+    assert!(
+        elapsed < std::time::Duration::from_secs(10),
+        "building the Gemma tokenizer took {elapsed:?}"
+    );
+    Some((content, tok, sp))
+}
+
+/// The 2,000-character paragraph of the reference table: `GEMMA_PARAGRAPH` repeated, cut
+/// at 2,000 characters.
+fn gemma_paragraph() -> String {
+    GEMMA_PARAGRAPH.repeat(8).chars().take(2000).collect()
+}
+
+const GEMMA_PARAGRAPH: &str = "The history of the printing press is often told as a story of one man and one machine, but the reality was slower and stranger. Movable type had existed in East Asia for centuries before Gutenberg; what changed in fifteenth-century Mainz was a combination of metal alloys, oil-based inks, and a screw press adapted from wine making. ";
+
+// Reference ids from llama.cpp itself (llama_cpp_python 0.3.36's vendored llama.cpp, build
+// b1-0c1e570), not from the code under test. The server ran on loopback:
+//
+//   llama-server -m models/gemma-3-270m-q4_k_m.gguf --host 127.0.0.1 --port 8912 -t 1 -c 2048
+//
+// and each string was sent as
+//
+//   curl -s -X POST http://127.0.0.1:8912/tokenize -d '{"content": TEXT, "add_special": false}'
+//
+// (`parse_special` defaults to true there: control tokens such as `<start_of_turn>` in the
+// text are one token, as in headwise). `GEMMA_REFERENCE_IDS_NO_PARSE_SPECIAL` adds
+// `"parse_special": false`; only the strings whose ids change are listed. The same requests
+// with `"add_special": true` gave `2` (`<bos>`) followed by the same ids, and
+// `POST /detokenize {"tokens": IDS}` gave the text back (with `▁` written as a space). The
+// table holds the strings of `COMPARISON_STRINGS` and the Gemma-specific ones after them;
+// the 2,000-character paragraph (`gemma_paragraph()`) is `GEMMA_PARAGRAPH_IDS`.
+const GEMMA_REFERENCE_IDS: &[(&str, &[u32])] = &[
+    ("Hello world", &[9259, 1902]),
+    ("The quick brown fox jumps over the lazy dog.", &[818, 3823, 8864, 37423, 38167, 1024, 506, 31770, 4799, 236761]),
+    ("Year 2026 has 12345 items.", &[16431, 236743, 236778, 236771, 236778, 236825, 815, 236743, 236770, 236778, 236800, 236812, 236810, 4852, 236761]),
+    ("3.14159 and 1,000,000", &[236800, 236761, 236770, 236812, 236770, 236810, 236819, 532, 236743, 236770, 236764, 236771, 236771, 236771, 236764, 236771, 236771, 236771]),
+    ("The needle is 7481 and the key is 'blue-42'.", &[818, 30659, 563, 236743, 236832, 236812, 236828, 236770, 532, 506, 2307, 563, 756, 9503, 236772, 236812, 236778, 6748]),
+    (" leading space", &[5830, 2557]),
+    ("multiple   spaces   here", &[43819, 139, 35220, 139, 8472]),
+    ("trailing spaces   ", &[136697, 9952, 139]),
+    ("line one\nline two\n\nline four", &[1257, 886, 107, 1257, 1156, 108, 1257, 2390]),
+    ("tab\tseparated\tvalues", &[4823, 255968, 74010, 255968, 7558]),
+    ("I'm sure they'll say it's fine, don't you think?", &[236777, 236789, 236757, 2889, 901, 236789, 859, 1879, 625, 236789, 236751, 5851, 236764, 1537, 236789, 236745, 611, 1751, 236881]),
+    ("Café naïve résumé façade", &[160319, 236859, 120362, 118515, 96008]),
+    ("Ünïcödé ΑΒΓ Привет мир", &[238194, 236749, 238527, 236755, 55515, 236859, 20306, 240104, 239357, 15745, 8362, 58562]),
+    ("你好，世界！这是一个测试。", &[144626, 236900, 12811, 237354, 120509, 30203, 236924]),
+    ("Emoji: 😀👍🏽 and ❤\u{fe0f}", &[127268, 236787, 163543, 240493, 242713, 532, 64813]),
+    ("<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n", &[236820, 236909, 548, 236779, 3041, 111038, 2364, 107, 3689, 563, 236743, 236778, 236862, 236778, 145912, 236909, 548, 236779, 643, 111038, 107, 236820, 236909, 548, 236779, 3041, 111038, 111457, 107]),
+    ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n", &[236820, 236909, 548, 236779, 3041, 111038, 9731, 107, 3048, 659, 496, 11045, 12498, 16326, 7489, 166184, 42476, 236764, 15453, 684, 22798, 3801, 7117, 236820, 236909, 548, 236779, 643, 111038, 107]),
+    ("email me at someone@example.com or see https://example.com/a?q=1", &[6774, 786, 657, 5026, 236940, 8358, 236761, 854, 653, 1460, 4560, 1411, 8358, 236761, 854, 236786, 236746, 236881, 236809, 236784, 236770]),
+    ("Mixed123Numbers456", &[105367, 236770, 236778, 236800, 37091, 236812, 236810, 236825]),
+    ("½ ² ③ Ⅻ", &[238612, 145191, 131917, 236743, 464, 371, 409]),
+    ("   ", &[139]),
+    ("\n\n\n", &[109]),
+    ("...!!!???", &[1390, 11145, 31237]),
+    ("print(value)", &[1995, 236769, 2394, 236768]),
+    ("def foo(x):\n    return x ** 2\n", &[2063, 46293, 236769, 236781, 1473, 107, 140, 2060, 1123, 5213, 236743, 236778, 107]),
+    ("Hello!\nHow are you?", &[9259, 236888, 107, 3910, 659, 611, 236881]),
+    ("a  \n  b", &[236746, 138, 107, 138, 236763]),
+    ("I'M SURE IT'S FINE", &[236777, 236789, 236792, 186427, 9053, 236789, 236773, 162092]),
+    ("JSON: {\"key\": [1, 2, 3]}", &[12324, 236787, 3714, 2478, 1083, 870, 236770, 236764, 236743, 236778, 236764, 236743, 236800, 21111]),
+    ("First paragraph.\n\nSecond paragraph.", &[7280, 15649, 236761, 108, 12400, 15649, 236761]),
+    ("end.\r\nnext", &[643, 236761, 251, 107, 4874]),
+    ("end of transmission\u{4}", &[643, 529, 12268, 242]),
+    (" Hello world", &[26352, 1902]),
+    ("  two leading spaces", &[138, 13498, 5830, 9952]),
+    ("trailing space ", &[136697, 2557, 236743]),
+    ("a   b    c     d", &[236746, 139, 236763, 140, 236755, 141, 236753]),
+    ("\n", &[107]),
+    ("\n\n", &[108]),
+    ("line\n\nbreak", &[1257, 108, 7284]),
+    ("\ttab\t\ttabs", &[255968, 4823, 255969, 39218]),
+    ("12345", &[236770, 236778, 236800, 236812, 236810]),
+    ("3.14159265358979", &[236800, 236761, 236770, 236812, 236770, 236810, 236819, 236778, 236825, 236810, 236800, 236810, 236828, 236819, 236832, 236819]),
+    ("日本語のテキストです。東京は大きい。", &[94951, 236945, 95830, 3652, 236924, 31414, 237048, 98042, 236924]),
+    ("Emoji 😀🎉👍🏽 family 👨\u{200d}👩\u{200d}👧", &[127268, 163543, 242061, 240493, 242713, 2523, 236743, 243874, 237243, 243767, 237243, 244814]),
+    ("Crème brûlée à la française, São Paulo, Zürich", &[15760, 9809, 125501, 155666, 1608, 759, 64859, 236764, 30342, 29150, 236764, 116315]),
+    ("rare: 𝄞 𐍈 ༺༻ 🧬", &[43128, 236787, 236743, 246859, 236743, 478, 382, 379, 374, 236743, 248302, 248262, 236743, 253633]),
+    ("fn main() {\n    let x: Vec<u32> = vec![1, 2, 3];\n    println!(\"{:?}\", x);\n}\n", &[15059, 1689, 825, 642, 107, 140, 1184, 1123, 236787, 29089, 236820, 236756, 236800, 236778, 236813, 578, 23454, 24960, 236770, 236764, 236743, 236778, 236764, 236743, 236800, 2312, 107, 140, 4629, 236355, 125425, 1123, 626, 107, 236783, 107]),
+    ("<start_of_turn>user\nHello!<end_of_turn>\n<start_of_turn>model\n", &[105, 2364, 107, 9259, 236888, 106, 107, 105, 4368, 107]),
+    ("<bos><start_of_turn>user", &[2, 105, 2364]),
+    ("text with <eos> inside and <pad> too", &[1005, 607, 236743, 1, 4888, 532, 236743, 0, 2311]),
+    ("<table><tr><td>cell</td></tr></table> <b>bold</b> </s>", &[168, 173, 175, 5447, 183, 181, 176, 236743, 200, 15640, 209, 236743, 212]),
+    ("<0x41> literal byte token text", &[236820, 236771, 236781, 236812, 236770, 236813, 37087, 16812, 8369, 1816]),
+    ("▁already escaped▁space", &[3016, 41685, 2557]),
+];
+
+const GEMMA_PARAGRAPH_IDS: &[u32] = &[
+    818, 4083, 529, 506, 16386, 2686, 563, 3187, 4173, 618, 496, 3925, 529, 886, 880, 532, 886,
+    5464, 236764, 840, 506, 9496, 691, 31878, 532, 42030, 236761, 72759, 742, 1722, 1053, 26077,
+    528, 7123, 11560, 573, 24744, 1680, 180558, 236793, 1144, 6692, 528, 135461, 236772, 33201,
+    163952, 691, 496, 8376, 529, 6211, 34758, 236764, 4446, 236772, 5140, 106301, 236764, 532, 496,
+    21792, 2686, 22882, 699, 10135, 3043, 236761, 669, 4083, 529, 506, 16386, 2686, 563, 3187,
+    4173, 618, 496, 3925, 529, 886, 880, 532, 886, 5464, 236764, 840, 506, 9496, 691, 31878, 532,
+    42030, 236761, 72759, 742, 1722, 1053, 26077, 528, 7123, 11560, 573, 24744, 1680, 180558,
+    236793, 1144, 6692, 528, 135461, 236772, 33201, 163952, 691, 496, 8376, 529, 6211, 34758,
+    236764, 4446, 236772, 5140, 106301, 236764, 532, 496, 21792, 2686, 22882, 699, 10135, 3043,
+    236761, 669, 4083, 529, 506, 16386, 2686, 563, 3187, 4173, 618, 496, 3925, 529, 886, 880, 532,
+    886, 5464, 236764, 840, 506, 9496, 691, 31878, 532, 42030, 236761, 72759, 742, 1722, 1053,
+    26077, 528, 7123, 11560, 573, 24744, 1680, 180558, 236793, 1144, 6692, 528, 135461, 236772,
+    33201, 163952, 691, 496, 8376, 529, 6211, 34758, 236764, 4446, 236772, 5140, 106301, 236764,
+    532, 496, 21792, 2686, 22882, 699, 10135, 3043, 236761, 669, 4083, 529, 506, 16386, 2686, 563,
+    3187, 4173, 618, 496, 3925, 529, 886, 880, 532, 886, 5464, 236764, 840, 506, 9496, 691, 31878,
+    532, 42030, 236761, 72759, 742, 1722, 1053, 26077, 528, 7123, 11560, 573, 24744, 1680, 180558,
+    236793, 1144, 6692, 528, 135461, 236772, 33201, 163952, 691, 496, 8376, 529, 6211, 34758,
+    236764, 4446, 236772, 5140, 106301, 236764, 532, 496, 21792, 2686, 22882, 699, 10135, 3043,
+    236761, 669, 4083, 529, 506, 16386, 2686, 563, 3187, 4173, 618, 496, 3925, 529, 886, 880, 532,
+    886, 5464, 236764, 840, 506, 9496, 691, 31878, 532, 42030, 236761, 72759, 742, 1722, 1053,
+    26077, 528, 7123, 11560, 573, 24744, 1680, 180558, 236793, 1144, 6692, 528, 135461, 236772,
+    33201, 163952, 691, 496, 8376, 529, 6211, 34758, 236764, 4446, 236772, 5140, 106301, 236764,
+    532, 496, 21792, 2686, 22882, 699, 10135, 3043, 236761, 669, 4083, 529, 506, 16386, 2686, 563,
+    3187, 4173, 618, 496, 3925, 529, 886, 880, 532, 886, 5464, 236764, 840, 506, 9496, 691, 31878,
+    532, 42030, 236761, 72759, 742, 1722, 1053, 26077, 528, 7123, 11560, 573, 24744, 1680, 180558,
+    236793, 1144, 6692, 528, 135461, 236772, 33201, 163952, 691, 496, 8376, 529, 6211, 34758,
+    236764, 4446, 236772, 5140, 106301, 236764, 532, 496, 21792, 2686, 22882, 699, 10135, 3043,
+    236761, 807,
+];
+
+const GEMMA_REFERENCE_IDS_NO_PARSE_SPECIAL: &[(&str, &[u32])] = &[
+    (
+        "<start_of_turn>user\nHello!<end_of_turn>\n<start_of_turn>model\n",
+        &[
+            236820, 3041, 236779, 1340, 236779, 887, 236813, 2364, 107, 9259, 200322, 643, 236779,
+            1340, 236779, 887, 236813, 107, 236820, 3041, 236779, 1340, 236779, 887, 236813, 4368,
+            107,
+        ],
+    ),
+    (
+        "<bos><start_of_turn>user",
+        &[
+            236820, 46757, 1798, 3041, 236779, 1340, 236779, 887, 236813, 2364,
+        ],
+    ),
+    (
+        "text with <eos> inside and <pad> too",
+        &[
+            1005, 607, 655, 211827, 236813, 4888, 532, 655, 13039, 236813, 2311,
+        ],
+    ),
+    (
+        "<table><tr><td>cell</td></tr></table> <b>bold</b> </s>",
+        &[
+            168, 173, 175, 5447, 183, 181, 176, 236743, 200, 15640, 209, 1454, 236751, 236813,
+        ],
+    ),
+];
+
+#[test]
+fn gemma_matches_llama_cpp_reference_ids() {
+    let Some((_, tok, _)) = gemma() else { return };
+    for s in COMPARISON_STRINGS {
+        assert!(
+            GEMMA_REFERENCE_IDS.iter().any(|(t, _)| t == s),
+            "no Gemma reference ids for {s:?}"
+        );
+    }
+    let paragraph = gemma_paragraph();
+    let rows = GEMMA_REFERENCE_IDS
+        .iter()
+        .copied()
+        .chain([(paragraph.as_str(), GEMMA_PARAGRAPH_IDS)]);
+    let mut failures = Vec::new();
+    for (text, want) in rows {
+        let got = encode(&tok, text);
+        if got != want {
+            failures.push(format!(
+                "{text:?}\n  headwise  {got:?}\n  llama.cpp {want:?}"
+            ));
+        }
+        // add_bos_token = true: `<bos>` (2) first, as llama.cpp's add_special.
+        let with_bos = tok.encode(text, true).unwrap().get_ids().to_vec();
+        assert_eq!(with_bos[0], 2, "{text:?}");
+        assert_eq!(&with_bos[1..], want, "{text:?} with BOS");
+        // Decoding gives the text back, with a literal `▁` read as a space (as llama.cpp's
+        // /detokenize does).
+        let decoded = tok.decode(want, false).unwrap();
+        assert_eq!(decoded, text.replace('\u{2581}', " "), "decode {want:?}");
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// With `encode_special_tokens` set, control tokens in the text are plain text, as with
+/// llama.cpp's `parse_special = false`; user-defined tokens (runs of spaces, newlines and
+/// tabs, HTML tags) are still cut out first in both. The one difference: llama.cpp retypes
+/// `</s>` (user-defined in Gemma 3's file) as a control token, so it spells it out.
+#[test]
+fn gemma_matches_llama_cpp_without_parse_special() {
+    let Some((_, mut tok, _)) = gemma() else {
+        return;
+    };
+    tok.set_encode_special_tokens(true);
+    for (text, want) in GEMMA_REFERENCE_IDS_NO_PARSE_SPECIAL {
+        let got = encode(&tok, text);
+        if let Some(head) = text.strip_suffix(" </s>") {
+            // headwise: `▁` then `</s>` whole; llama.cpp: `▁</`, `s`, `>`.
+            let n = encode(&tok, head).len();
+            assert_eq!(got[..n], want[..n], "{text:?}");
+            assert_eq!(got[n..], [236743, 212], "{text:?}");
+            assert_eq!(want[n..], [1454, 236751, 236813], "{text:?}");
+        } else {
+            assert_eq!(got, *want, "{text:?}");
+        }
+    }
+}
+
+#[test]
+fn gemma_special_tokens_and_no_chat_template() {
+    let Some((content, tok, sp)) = gemma() else {
+        return;
+    };
+    // Metadata: bos 2, eos 1, pad 0, add_bos_token true; `<end_of_turn>` (106) also ends a
+    // turn.
+    assert_eq!(
+        sp,
+        SpecialTokens {
+            bos: Some(2),
+            eos: Some(1),
+            pad: Some(0),
+            stop: vec![1, 106],
+            add_bos: true,
+        }
+    );
+    assert_eq!(tok.token_to_id("<end_of_turn>"), Some(106));
+    assert_eq!(tok.token_to_id("<start_of_turn>"), Some(105));
+    // The file carries no `tokenizer.chat_template`.
+    assert!(ChatTemplate::from_gguf(&content)
+        .expect("no error")
+        .is_none());
+    // Control tokens are special: skipped when decoding with skip_special_tokens.
+    let ids = encode(&tok, "<start_of_turn>user\nHi<end_of_turn>\n");
+    assert_eq!(tok.decode(&ids, true).unwrap(), "user\nHi\n");
+}

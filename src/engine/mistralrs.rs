@@ -50,14 +50,7 @@ use crate::{Error, Result};
 /// Capacity of the per-request response channels; streaming sends one message a token.
 const RESPONSE_CHANNEL: usize = 64;
 
-/// Greedy tokens with the margin each one won by.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct GreedyTrace {
-    /// Generated token ids.
-    pub tokens: Vec<u32>,
-    /// Per step: largest minus second-largest logit.
-    pub top2_gaps: Vec<f32>,
-}
+pub use super::GreedyTrace;
 
 /// Throughput of one generation call.
 ///

@@ -1,3 +1,16 @@
-//! Reference engines: mistral.rs, loaded from the same GGUF file.
+//! Reference engines: mistral.rs (compiled in, same GGUF file) and llama.cpp (its
+//! `llama-server` and `llama-perplexity` binaries, for architectures mistral.rs cannot
+//! load from GGUF).
 
+pub mod llama_cpp;
+#[cfg(feature = "mistralrs")]
 pub mod mistralrs;
+
+/// Greedy tokens with the margin each one won by.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct GreedyTrace {
+    /// Generated token ids.
+    pub tokens: Vec<u32>,
+    /// Per step: largest minus second-largest logit.
+    pub top2_gaps: Vec<f32>,
+}

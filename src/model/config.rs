@@ -15,16 +15,21 @@ use crate::{Error, Result};
 pub enum Architecture {
     /// Llama-style decoder (SmolLM2, Llama 2/3): pre-RMSNorm, SwiGLU, interleaved RoPE.
     Llama,
+    /// Gemma 3: embeddings scaled by `sqrt(d_model)`, RMSNorm before and after attention
+    /// and the FFN, per-head RMSNorm of queries and keys, GELU-tanh gated FFN, RoPE on
+    /// halves of each head, and sliding-window layers with every sixth layer global.
+    Gemma3,
 }
 
 impl Architecture {
     /// Every architecture name accepted in `general.architecture`.
-    pub const SUPPORTED: &'static [&'static str] = &["llama"];
+    pub const SUPPORTED: &'static [&'static str] = &["llama", "gemma3"];
 
     /// Parse the GGUF `general.architecture` string.
     pub fn from_gguf_name(name: &str) -> Result<Self> {
         match name {
             "llama" => Ok(Architecture::Llama),
+            "gemma3" => Ok(Architecture::Gemma3),
             other => Err(Error::UnsupportedArchitecture {
                 arch: other.to_string(),
                 supported: Self::SUPPORTED.join(", "),
@@ -36,16 +41,50 @@ impl Architecture {
     pub fn gguf_name(self) -> &'static str {
         match self {
             Architecture::Llama => "llama",
+            Architecture::Gemma3 => "gemma3",
         }
     }
 }
 
-/// What one layer's attention looks like. Llama layers are all alike; Gemma 3 will add
-/// a sliding window and a per-layer RoPE base here.
+/// How a layer rotates query and key dimensions by position.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RopeStyle {
+    /// Pairs `(2i, 2i + 1)` (llama.cpp's "normal" mode, used for `llama` GGUF files).
+    Interleaved,
+    /// Pairs `(i, i + d_head / 2)` (llama.cpp's "neox" mode, used for Gemma).
+    Halves,
+}
+
+/// Sliding-window attention as Gemma 3 lays it out: every `global_every`-th layer
+/// (`layer % global_every == global_every - 1`) attends to the whole context with the
+/// model's RoPE base; the others see only the `size` most recent positions (the query's
+/// own included) and use `local_rope_base`.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct SlidingWindow {
+    /// Positions a local layer sees, the query's own included.
+    pub size: usize,
+    /// Period of the global layers.
+    pub global_every: usize,
+    /// RoPE base of the local layers.
+    pub local_rope_base: f32,
+}
+
+/// Gemma 3's period of global layers and local RoPE base, as llama.cpp runs it (the GGUF
+/// stores only the window size).
+const GEMMA3_GLOBAL_EVERY: usize = 6;
+const GEMMA3_LOCAL_ROPE_BASE: f32 = 10_000.0;
+
+/// What one layer's attention looks like.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct LayerSpec {
     /// RoPE frequency base used by this layer.
     pub rope_base: f32,
+    /// How RoPE pairs dimensions.
+    pub rope_style: RopeStyle,
+    /// `Some(w)`: the layer sees only the `w` most recent positions (the query's own
+    /// included), and the KV cache keeps only those.
+    pub window: Option<usize>,
 }
 
 /// Hyper-parameters of a decoder-only transformer.
@@ -70,8 +109,10 @@ pub struct Config {
     pub context_length: usize,
     /// RMSNorm epsilon.
     pub rms_eps: f64,
-    /// RoPE frequency base.
+    /// RoPE frequency base (of the global layers when there is a sliding window).
     pub rope_base: f32,
+    /// Sliding-window layers, if the architecture has them.
+    pub sliding_window: Option<SlidingWindow>,
 }
 
 impl Config {
@@ -86,10 +127,21 @@ impl Config {
     }
 
     /// Attention details of layer `layer`.
-    pub fn layer(&self, _layer: usize) -> LayerSpec {
-        match self.architecture {
-            Architecture::Llama => LayerSpec {
+    pub fn layer(&self, layer: usize) -> LayerSpec {
+        let rope_style = match self.architecture {
+            Architecture::Llama => RopeStyle::Interleaved,
+            Architecture::Gemma3 => RopeStyle::Halves,
+        };
+        match self.sliding_window {
+            Some(sw) if layer % sw.global_every != sw.global_every - 1 => LayerSpec {
+                rope_base: sw.local_rope_base,
+                rope_style,
+                window: Some(sw.size),
+            },
+            _ => LayerSpec {
                 rope_base: self.rope_base,
+                rope_style,
+                window: None,
             },
         }
     }
@@ -123,6 +175,20 @@ impl Config {
                 }
             },
         };
+        let sliding_window = match (architecture, md.get(&key("attention.sliding_window"))) {
+            (Architecture::Gemma3, Some(_)) => Some(SlidingWindow {
+                size: get_usize(md, &key("attention.sliding_window"))?,
+                global_every: GEMMA3_GLOBAL_EVERY,
+                local_rope_base: GEMMA3_LOCAL_ROPE_BASE,
+            }),
+            (Architecture::Gemma3, None) => {
+                return Err(Error::Metadata {
+                    key: key("attention.sliding_window"),
+                    reason: "missing (Gemma 3 needs the local layers' window)".into(),
+                })
+            }
+            (Architecture::Llama, _) => None,
+        };
         let cfg = Config {
             architecture,
             n_layers: get_usize(md, &key("block_count"))?,
@@ -138,6 +204,7 @@ impl Config {
                 Some(_) => get_f64(md, &key("rope.freq_base"))? as f32,
                 None => 10_000.0,
             },
+            sliding_window,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -174,6 +241,18 @@ impl Config {
                 "attention.key_length",
                 format!("head dim {} must be even for RoPE", self.d_head),
             );
+        }
+        if let Some(sw) = &self.sliding_window {
+            if sw.size == 0 || sw.size > self.context_length || sw.global_every == 0 {
+                return bad(
+                    "attention.sliding_window",
+                    format!(
+                        "window {} with a global layer every {}: the window must be 1..={} \
+                         (the context) and the period positive",
+                        sw.size, sw.global_every, self.context_length
+                    ),
+                );
+            }
         }
         if self.context_length == 0 || self.vocab_size == 0 {
             return bad(
@@ -261,7 +340,33 @@ mod tests {
             context_length: 256,
             rms_eps: 1e-5,
             rope_base: 10_000.0,
+            sliding_window: None,
         }
+    }
+
+    #[test]
+    fn gemma3_layers_alternate_five_local_and_one_global() {
+        let mut cfg = tiny();
+        cfg.architecture = Architecture::Gemma3;
+        cfg.n_layers = 18;
+        cfg.sliding_window = Some(SlidingWindow {
+            size: 512,
+            global_every: GEMMA3_GLOBAL_EVERY,
+            local_rope_base: GEMMA3_LOCAL_ROPE_BASE,
+        });
+        let global: Vec<usize> = (0..18).filter(|&l| cfg.layer(l).window.is_none()).collect();
+        assert_eq!(global, vec![5, 11, 17]);
+        assert_eq!(cfg.layer(5).rope_base, 10_000.0);
+        assert_eq!(cfg.layer(4).rope_base, GEMMA3_LOCAL_ROPE_BASE);
+        assert_eq!(cfg.layer(4).rope_style, RopeStyle::Halves);
+        assert_eq!(tiny().layer(0).rope_style, RopeStyle::Interleaved);
+        cfg.sliding_window = Some(SlidingWindow {
+            size: 0,
+            global_every: 6,
+            local_rope_base: 1e4,
+        });
+        let err = cfg.validate().unwrap_err().to_string();
+        assert!(err.contains("gemma3.attention.sliding_window"), "{err}");
     }
 
     #[test]

@@ -43,6 +43,16 @@ impl KeyRestriction {
     }
 }
 
+/// Which scores one attention call computes: queries at absolute positions `queries`
+/// against the stored keys at absolute positions `keys`, in a layer that sees the
+/// `window` most recent positions (or everything).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct MaskSpan {
+    pub queries: Range<usize>,
+    pub keys: Range<usize>,
+    pub window: Option<usize>,
+}
+
 /// All edits applied to one head.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct HeadEdit {
@@ -122,40 +132,45 @@ impl Interventions {
         Ok(())
     }
 
-    /// The additive mask of layer `layer` for queries `start..start + q` over keys
-    /// `0..kv_len`: `(n_heads, q, kv_len)` when some head of the layer has a bias or a
-    /// key restriction, else `None` (then only the causal mask applies).
+    /// The additive mask of layer `layer` over `span`: `(n_heads, q, kv_len)` combining
+    /// causality, the layer's sliding window and this layer's biases and key
+    /// restrictions; `None` when plain causal attention over the stored keys is exact
+    /// (no edits on the layer and no stored key outside a query's window).
     pub(crate) fn score_mask(
         &self,
         layer: usize,
         n_heads: usize,
-        start: usize,
-        q: usize,
-        kv_len: usize,
+        span: &MaskSpan,
     ) -> Result<Option<Tensor>> {
-        let Some(heads) = self.layers.get(&layer) else {
-            return Ok(None);
-        };
-        if heads.values().all(|e| e.bias.is_none() && e.keys.is_none()) {
+        let heads = self
+            .layers
+            .get(&layer)
+            .filter(|h| h.values().any(|e| e.bias.is_some() || e.keys.is_some()));
+        let q = span.queries.len();
+        let window_cuts = span
+            .window
+            .is_some_and(|w| span.keys.start + w < span.queries.end);
+        if heads.is_none() && !window_cuts {
             return Ok(None);
         }
+        let kv_len = span.keys.len();
         let mut mask = vec![0f32; n_heads * q * kv_len];
         for h in 0..n_heads {
-            let edit = heads.get(&h);
-            for t in 0..q {
-                let query = start + t;
+            let edit = heads.and_then(|heads| heads.get(&h));
+            for (t, query) in span.queries.clone().enumerate() {
                 let row = &mut mask[(h * q + t) * kv_len..(h * q + t + 1) * kv_len];
-                for (j, m) in row.iter_mut().enumerate() {
-                    let visible = j <= query
-                        && (j == query
+                for (m, key) in row.iter_mut().zip(span.keys.clone()) {
+                    let visible = key <= query
+                        && span.window.is_none_or(|w| key + w > query)
+                        && (key == query
                             || edit
                                 .and_then(|e| e.keys.as_ref())
-                                .is_none_or(|k| k.allows(j, query)));
+                                .is_none_or(|k| k.allows(key, query)));
                     *m = if !visible {
                         f32::NEG_INFINITY
                     } else {
                         edit.and_then(|e| e.bias.as_ref())
-                            .and_then(|b| b.get(j).copied())
+                            .and_then(|b| b.get(key).copied())
                             .unwrap_or(0.0)
                     };
                 }
@@ -209,7 +224,10 @@ mod tests {
         let only_first = std::iter::once(0..1).collect();
         iv.restrict_keys(0, 1, KeyRestriction::Ranges(only_first));
         iv.set_bias(0, 0, vec![0.5, -0.5]);
-        let m = iv.score_mask(0, 2, 1, 2, 3).unwrap().unwrap();
+        let m = iv
+            .score_mask(0, 2, &span(1..3, 0..3, None))
+            .unwrap()
+            .unwrap();
         let m: Vec<Vec<Vec<f32>>> = m.to_vec3().unwrap();
         let inf = f32::NEG_INFINITY;
         // head 0: bias on keys 0 and 1, causal for queries at positions 1 and 2
@@ -222,7 +240,51 @@ mod tests {
     fn layers_without_edits_get_no_mask() {
         let mut iv = Interventions::new();
         iv.set_output(3, 0, OutputEdit::Zero);
-        assert!(iv.score_mask(3, 4, 0, 2, 2).unwrap().is_none());
-        assert!(iv.score_mask(1, 4, 0, 2, 2).unwrap().is_none());
+        assert!(iv
+            .score_mask(3, 4, &span(0..2, 0..2, None))
+            .unwrap()
+            .is_none());
+        assert!(iv
+            .score_mask(1, 4, &span(0..2, 0..2, None))
+            .unwrap()
+            .is_none());
+        // a window that every query's keys fit in needs no mask either
+        assert!(iv
+            .score_mask(1, 4, &span(5..6, 2..6, Some(4)))
+            .unwrap()
+            .is_none());
+    }
+
+    fn span(queries: Range<usize>, keys: Range<usize>, window: Option<usize>) -> MaskSpan {
+        MaskSpan {
+            queries,
+            keys,
+            window,
+        }
+    }
+
+    #[test]
+    fn a_sliding_window_hides_keys_older_than_the_window() {
+        let iv = Interventions::new();
+        // queries at 10 and 11 over stored keys 8..12, window 3
+        let m = iv
+            .score_mask(0, 1, &span(10..12, 8..12, Some(3)))
+            .unwrap()
+            .unwrap();
+        let m: Vec<Vec<Vec<f32>>> = m.to_vec3().unwrap();
+        let inf = f32::NEG_INFINITY;
+        assert_eq!(
+            m[0],
+            vec![vec![0.0, 0.0, 0.0, inf], vec![inf, 0.0, 0.0, 0.0]]
+        );
+        // biases are indexed by absolute position, restrictions apply on top
+        let mut iv = Interventions::new();
+        iv.set_bias(0, 0, vec![0.0; 9].into_iter().chain([0.25, 0.5]).collect());
+        iv.restrict_keys(0, 0, KeyRestriction::Ranges(vec![9..10]));
+        let m = iv
+            .score_mask(0, 1, &span(10..11, 8..11, Some(3)))
+            .unwrap()
+            .unwrap();
+        assert_eq!(m.to_vec3::<f32>().unwrap()[0], vec![vec![inf, 0.25, 0.5]]);
     }
 }

@@ -18,7 +18,7 @@ pub mod rope;
 pub mod tokenizer;
 pub mod transformer;
 
-pub use config::{Architecture, Config, LayerSpec};
+pub use config::{Architecture, Config, LayerSpec, RopeStyle, SlidingWindow};
 pub use generate::{generate, GenerateOptions, Generation, Sampler, Sampling, StopReason};
 pub use gguf::{GgufFile, ModelId};
 pub use intervene::{HeadEdit, Interventions, KeyRestriction, OutputEdit};

@@ -7,11 +7,10 @@
 //! same well-tested library as the Hugging Face tokenizers do.
 //!
 //! The pipeline is built in stages, each chosen from metadata by a small enum: the model
-//! family ([`TokenizerFamily`], from `tokenizer.ggml.model`) and the pre-tokenizer rule
-//! ([`PreTokenizerRule`], from `tokenizer.ggml.pre`). Supported today: `gpt2` byte-level BPE
-//! with the `smollm` (and equivalent) or default GPT-2 pre-tokenizer. SentencePiece
-//! (`llama`, needed by Gemma 3) is one more variant of [`TokenizerFamily`] and one more
-//! builder function.
+//! family ([`TokenizerFamily`], from `tokenizer.ggml.model`) and, for byte-level BPE, the
+//! pre-tokenizer rule ([`PreTokenizerRule`], from `tokenizer.ggml.pre`). Supported today:
+//! `gpt2` byte-level BPE with the `smollm` (and equivalent) or default GPT-2 pre-tokenizer
+//! (SmolLM2), and `llama` SentencePiece-style BPE (Gemma 3).
 //!
 //! ## The `smollm` pre-tokenizer
 //!
@@ -26,12 +25,71 @@
 //! the vocabulary (0x04, 0x06, 0x13, 0x14, 0x16, 0x1d and bytes that never occur in UTF-8)
 //! is dropped before the merges, as Hugging Face tokenizers (which trained the vocabulary)
 //! drop it, rather than mapped to `tokenizer.ggml.unknown_token_id`.
+//!
+//! ## SentencePiece (`llama`)
+//!
+//! llama.cpp tokenizes a `llama` vocabulary (`llm_tokenizer_spm` and `tokenize` in
+//! `src/llama-vocab.cpp`) in four steps:
+//!
+//! 1. control, user-defined and unknown tokens are cut out of the raw text (with
+//!    `parse_special`; without it only the user-defined ones), longest token first;
+//! 2. each remaining fragment gets a leading space when `tokenizer.ggml.add_space_prefix` is
+//!    set (llama.cpp's default when the key is absent: true; Gemma 3 files say false), and
+//!    its spaces become `▁` (U+2581);
+//! 3. the fragment is split into characters, and the adjacent pair whose concatenation is a
+//!    vocabulary token with the highest `tokenizer.ggml.scores` entry is merged, again and
+//!    again until no adjacent pair forms a token (equal scores: the leftmost pair first);
+//! 4. a final piece that is not a token (a single character outside the vocabulary) is
+//!    written as the byte tokens `<0xXX>` of its UTF-8 encoding.
+//!
+//! The same pipeline from `tokenizers` parts: step 1 is the added-token split (control and
+//! unknown tokens special, user-defined ones not, all matched on the raw text); step 2 is
+//! the normalizer `Prepend("▁")` (only with `add_space_prefix`) then `Replace(" ", "▁")`,
+//! which `tokenizers` applies to each fragment between added tokens, as llama.cpp does;
+//! there is no pre-tokenizer, so a fragment is one BPE word; steps 3 and 4 are a BPE model
+//! with `byte_fallback` whose merges are derived from the vocabulary: every split of a token
+//! `t` into two tokens `a + b` is the merge `a b`, and merges are ranked by the score of `t`,
+//! highest first. BPE then merges, at each step, the adjacent pair of lowest rank (equal
+//! ranks: the leftmost), which is the pair whose merged token scores highest. Decoding is
+//! `Replace("▁", " ")`, `ByteFallback`, `Fuse` (and `Strip` of one leading space with
+//! `add_space_prefix`), as llama.cpp's `token_to_piece` writes pieces.
+//!
+//! Where the two can differ, and why Gemma 3 is not affected:
+//!
+//! - two different tokens with the same score: BPE ranks them by token id, SPM by position.
+//!   Gemma 3's normal tokens all have distinct scores; the tied ones (user-defined runs of
+//!   newlines, tabs and spaces, HTML tags, all scored -1000) are cut out in step 1, so no
+//!   merge ever forms them;
+//! - one token reached by two different splits at two places in a fragment: SPM merges the
+//!   leftmost first, BPE the split of lower rank first (the splits of one token have
+//!   adjacent ranks, so no other merge falls between them). The order matters only when the
+//!   first merge enables a merge that scores higher than the token itself;
+//! - a character that is not a token but occurs inside tokens: SPM can merge it, BPE only
+//!   sees its byte tokens. Every character of Gemma 3's tokens is a token;
+//! - byte tokens are never a side of a merge here, because in BPE they stand for bytes of a
+//!   character outside the vocabulary, which SPM never merges;
+//! - llama.cpp retypes `</s>` (a user-defined HTML tag in Gemma 3) as a control token and
+//!   end-of-generation token (a workaround for another model), so with `parse_special =
+//!   false` it tokenizes the text `</s>` piece by piece, and it leaves id 212 out of text
+//!   decoded without special tokens; headwise keeps the type the file gives (and does not
+//!   stop on `</s>`);
+//! - with `add_space_prefix`, llama.cpp's detokenizer strips the leading space of the first
+//!   token only (none when that token is special); the `Strip` decoder strips the first
+//!   space of the decoded text.
 
 use std::collections::HashMap;
 
 use candle_core::quantized::gguf_file::{Content, Value};
+use tokenizers::decoders::byte_fallback::ByteFallback;
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
+use tokenizers::decoders::fuse::Fuse;
+use tokenizers::decoders::sequence::Sequence as DecoderSequence;
+use tokenizers::decoders::strip::Strip;
+use tokenizers::decoders::DecoderWrapper;
 use tokenizers::models::bpe::{Vocab, BPE};
+use tokenizers::normalizers::prepend::Prepend;
+use tokenizers::normalizers::replace::Replace;
+use tokenizers::normalizers::{NormalizerWrapper, Sequence as NormalizerSequence};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
 use tokenizers::pre_tokenizers::sequence::Sequence;
@@ -151,15 +209,24 @@ const END_OF_TURN_TEXTS: &[&str] = &[
 ///
 /// `tokenizer.ggml.model = "gpt2"`: byte-level BPE from `tokenizer.ggml.tokens`,
 /// `tokenizer.ggml.merges` and `tokenizer.ggml.token_type`, with the pre-tokenizer chosen by
-/// `tokenizer.ggml.pre` ([`PreTokenizerRule`]). Control, user-defined and unknown tokens are
-/// registered as added tokens, so chat markup such as `<|im_start|>` in the text is one
-/// token (with or without `add_special_tokens`); control tokens are special (skipped by
-/// `decode(.., skip_special_tokens = true)`). `encode(text, true)` prepends the BOS token
-/// when [`SpecialTokens::add_bos`] is set; `encode(text, false)` never adds anything.
+/// `tokenizer.ggml.pre` ([`PreTokenizerRule`]).
 ///
-/// Errors: [`Error::Metadata`] for a missing or malformed key, [`Error::Tokenizer`] for a
-/// tokenizer family or pre-tokenizer not supported yet (SentencePiece `llama` is not) or a
-/// vocabulary the BPE model rejects.
+/// `tokenizer.ggml.model = "llama"`: SentencePiece-style BPE from `tokenizer.ggml.tokens`,
+/// `tokenizer.ggml.scores`, `tokenizer.ggml.token_type` and
+/// `tokenizer.ggml.add_space_prefix` (default true), with byte fallback, giving the ids
+/// llama.cpp gives (see the module docs for the construction).
+///
+/// Control, user-defined and unknown tokens are registered as added tokens, so chat markup
+/// such as `<|im_start|>` or `<start_of_turn>` in the text is one token (with or without
+/// `add_special_tokens`, as llama.cpp with `parse_special`); control tokens are special
+/// (skipped by `decode(.., skip_special_tokens = true)`). `encode(text, true)` prepends the
+/// BOS token when [`SpecialTokens::add_bos`] is set; `encode(text, false)` never adds
+/// anything.
+///
+/// Errors: [`Error::Metadata`] for a missing or malformed key (including a scores or token
+/// type array whose length differs from the vocabulary's), [`Error::Tokenizer`] for a
+/// tokenizer family or pre-tokenizer not supported yet or a vocabulary the BPE model
+/// rejects.
 pub fn tokenizer_from_gguf(content: &Content) -> Result<(Tokenizer, SpecialTokens)> {
     tokenizer_from_metadata(&content.metadata)
 }
@@ -174,6 +241,7 @@ fn tokenizer_from_metadata(md: &HashMap<String, Value>) -> Result<(Tokenizer, Sp
             let rule = PreTokenizerRule::from_metadata(md)?;
             byte_level_bpe(md, &vocab, rule)?
         }
+        TokenizerFamily::SentencePiece => sentencepiece_bpe(md, &vocab)?,
     };
     register_added_tokens(&mut tokenizer, &vocab, &specials);
     if specials.add_bos {
@@ -191,21 +259,21 @@ fn tokenizer_from_metadata(md: &HashMap<String, Value>) -> Result<(Tokenizer, Sp
 pub enum TokenizerFamily {
     /// `gpt2`: byte-level BPE (GPT-2, SmolLM2, Llama 3, Qwen2).
     Gpt2Bpe,
+    /// `llama`: SentencePiece-style BPE over `▁`-escaped text, merging by token score, with
+    /// byte fallback (Llama 2, Mistral, Gemma 3).
+    SentencePiece,
 }
 
 impl TokenizerFamily {
     /// The families headwise can build, as named in GGUF metadata.
-    pub const SUPPORTED: &'static [&'static str] = &["gpt2"];
+    pub const SUPPORTED: &'static [&'static str] = &["gpt2", "llama"];
 
     /// Read `tokenizer.ggml.model`.
     pub fn from_metadata(md: &HashMap<String, Value>) -> Result<Self> {
         let name = get_string(md, "tokenizer.ggml.model")?;
         match name {
             "gpt2" => Ok(Self::Gpt2Bpe),
-            "llama" => Err(Error::Tokenizer(
-                "tokenizer model `llama` (SentencePiece) is not supported yet (supported: gpt2)"
-                    .into(),
-            )),
+            "llama" => Ok(Self::SentencePiece),
             other => Err(Error::Tokenizer(format!(
                 "tokenizer model `{other}` is not supported (supported: {})",
                 Self::SUPPORTED.join(", ")
@@ -357,6 +425,22 @@ impl GgufVocab {
         self.types.as_ref().map(|t| t[id])
     }
 
+    /// Text to id, for the BPE model. Errors on a repeated token (llama.cpp rejects those
+    /// too).
+    fn to_map(&self) -> Result<Vocab> {
+        let mut map = Vocab::with_capacity(self.len());
+        for (id, token) in self.tokens.iter().enumerate() {
+            // `id` fits in u32: checked in GgufVocab::read.
+            if let Some(first) = map.insert(token.clone(), id as u32) {
+                return Err(metadata_err(
+                    "tokenizer.ggml.tokens",
+                    format!("token {id} repeats token {first} ({token:?})"),
+                ));
+            }
+        }
+        Ok(map)
+    }
+
     /// The id of the token with exactly this text, if any.
     fn find(&self, text: &str) -> Option<u32> {
         self.tokens
@@ -381,6 +465,7 @@ impl SpecialTokens {
                 .map_err(|_| metadata_err("tokenizer.ggml.add_bos_token", "expected a boolean"))?,
             None => match family {
                 TokenizerFamily::Gpt2Bpe => false,
+                TokenizerFamily::SentencePiece => true,
             },
         };
         let mut stop: Vec<u32> = eos.into_iter().collect();
@@ -412,16 +497,7 @@ fn byte_level_bpe(
     vocab: &GgufVocab,
     rule: PreTokenizerRule,
 ) -> Result<Tokenizer> {
-    let mut map = Vocab::with_capacity(vocab.len());
-    for (id, token) in vocab.tokens.iter().enumerate() {
-        // `id` fits in u32: checked in GgufVocab::read.
-        if let Some(first) = map.insert(token.clone(), id as u32) {
-            return Err(metadata_err(
-                "tokenizer.ggml.tokens",
-                format!("token {id} repeats token {first} ({token:?})"),
-            ));
-        }
-    }
+    let map = vocab.to_map()?;
     let merges = get_string_array(md, "tokenizer.ggml.merges")?
         .into_iter()
         .enumerate()
@@ -443,6 +519,132 @@ fn byte_level_bpe(
     tokenizer.with_pre_tokenizer(Some(rule.pre_tokenizer()));
     tokenizer.with_decoder(Some(ByteLevelDecoder::default()));
     Ok(tokenizer)
+}
+
+/// SentencePiece-style BPE (`tokenizer.ggml.model = llama`), built as the module docs
+/// describe.
+fn sentencepiece_bpe(md: &HashMap<String, Value>, vocab: &GgufVocab) -> Result<Tokenizer> {
+    let scores = read_scores(md, vocab.len())?;
+    let add_space_prefix = match md.get("tokenizer.ggml.add_space_prefix") {
+        None => true,
+        Some(v) => v.to_bool().map_err(|_| {
+            metadata_err(
+                "tokenizer.ggml.add_space_prefix",
+                format!("expected a boolean, found {:?}", v.value_type()),
+            )
+        })?,
+    };
+    let unk = get_token_id(md, "tokenizer.ggml.unknown_token_id", vocab.len())?;
+    let map = vocab.to_map()?;
+    let merges = merges_by_score(vocab, &scores, &map);
+    let mut builder = BPE::builder()
+        .vocab_and_merges(map, merges)
+        .byte_fallback(true);
+    // Only used for a character outside the vocabulary whose bytes have no `<0xXX>` token
+    // (llama.cpp has no answer there either); with no unknown token such a character is
+    // dropped.
+    if let Some(unk) = unk {
+        builder = builder.unk_token(vocab.tokens[unk as usize].clone());
+    }
+    let bpe = builder
+        .build()
+        .map_err(|e| Error::Tokenizer(format!("SentencePiece BPE from GGUF metadata: {e}")))?;
+
+    let replace = |from: &str, to: &str| {
+        Replace::new(from, to).map_err(|e| Error::Tokenizer(format!("Replace {from:?}: {e}")))
+    };
+    let mut normalizers: Vec<NormalizerWrapper> = Vec::new();
+    if add_space_prefix {
+        normalizers.push(Prepend::new(SPM_SPACE.into()).into());
+    }
+    normalizers.push(replace(" ", SPM_SPACE)?.into());
+    let mut decoders: Vec<DecoderWrapper> = vec![
+        replace(SPM_SPACE, " ")?.into(),
+        ByteFallback::new().into(),
+        Fuse::new().into(),
+    ];
+    if add_space_prefix {
+        decoders.push(Strip::new(' ', 1, 0).into());
+    }
+
+    let mut tokenizer = Tokenizer::new(bpe);
+    tokenizer.with_normalizer(Some(NormalizerSequence::new(normalizers)));
+    tokenizer.with_decoder(Some(DecoderSequence::new(decoders)));
+    Ok(tokenizer)
+}
+
+/// SentencePiece's escaped space, `▁` (U+2581).
+const SPM_SPACE: &str = "\u{2581}";
+
+/// `tokenizer.ggml.scores` as f32, one per token. llama.cpp also accepts an int32 array.
+fn read_scores(md: &HashMap<String, Value>, n_tokens: usize) -> Result<Vec<f32>> {
+    let key = "tokenizer.ggml.scores";
+    let v = md
+        .get(key)
+        .ok_or_else(|| metadata_err(key, "missing (SentencePiece merges are ranked by score)"))?;
+    let arr = v.to_vec().map_err(|_| {
+        metadata_err(
+            key,
+            format!("expected an array, found {:?}", v.value_type()),
+        )
+    })?;
+    if arr.len() != n_tokens {
+        return Err(metadata_err(
+            key,
+            format!("has {} entries for {n_tokens} tokens", arr.len()),
+        ));
+    }
+    arr.iter()
+        .enumerate()
+        .map(|(i, v)| {
+            let score = match *v {
+                Value::F32(x) => Some(x),
+                Value::F64(x) => Some(x as f32),
+                _ => as_i64(v).map(|x| x as f32),
+            };
+            match score {
+                Some(x) if !x.is_nan() => Ok(x),
+                _ => Err(metadata_err(
+                    key,
+                    format!("entry {i} is not a number: {v:?}"),
+                )),
+            }
+        })
+        .collect()
+}
+
+/// The BPE merges equivalent to SentencePiece's merge-by-score: for every token `t` and
+/// every split of `t` into two tokens `a + b` (byte tokens excluded, see the module docs),
+/// the merge `a b`; ordered by the score of `t`, highest first, then by token id, then by
+/// split position.
+fn merges_by_score(vocab: &GgufVocab, scores: &[f32], map: &Vocab) -> Vec<(String, String)> {
+    let is_byte = |id: u32| vocab.token_type(id as usize) == Some(TokenType::Byte);
+    // (token id, byte offset of the split)
+    let mut splits: Vec<(u32, usize)> = Vec::new();
+    for (id, token) in vocab.tokens.iter().enumerate() {
+        for (at, _) in token.char_indices().skip(1) {
+            let (a, b) = token.split_at(at);
+            if let (Some(&a), Some(&b)) = (map.get(a), map.get(b)) {
+                if !is_byte(a) && !is_byte(b) {
+                    // `id` fits in u32: checked in GgufVocab::read.
+                    splits.push((id as u32, at));
+                }
+            }
+        }
+    }
+    splits.sort_by(|&(x, at_x), &(y, at_y)| {
+        scores[y as usize]
+            .total_cmp(&scores[x as usize])
+            .then(x.cmp(&y))
+            .then(at_x.cmp(&at_y))
+    });
+    splits
+        .into_iter()
+        .map(|(id, at)| {
+            let (a, b) = vocab.tokens[id as usize].split_at(at);
+            (a.to_owned(), b.to_owned())
+        })
+        .collect()
 }
 
 /// Register control, user-defined and unknown tokens (or, with no `token_type`, the bos,
@@ -741,7 +943,7 @@ mod tests {
     fn bad_metadata_is_an_error_not_a_panic() {
         type Edit = fn(&mut HashMap<String, Value>);
         let cases: &[(&str, Edit)] = &[
-            ("model llama", |md| {
+            ("model llama without scores", |md| {
                 md.insert("tokenizer.ggml.model".into(), Value::String("llama".into()));
             }),
             ("model unknown", |md| {
@@ -845,6 +1047,234 @@ mod tests {
         ];
         for (name, want) in rows {
             assert_eq!(PreTokenizerRule::from_name(*name).ok(), *want, "{name:?}");
+        }
+    }
+
+    /// A tiny SentencePiece-style vocabulary: (text, token type, score); ids are positions,
+    /// followed by the 256 byte tokens `<0x00>`..`<0xFF>` (ids `SPM_BYTE0 + byte`, score 0).
+    const SPM_TOKENS: &[(&str, i32, f32)] = &[
+        ("<pad>", 3, 0.0),           // 0
+        ("<eos>", 3, 0.0),           // 1
+        ("<bos>", 3, 0.0),           // 2
+        ("<unk>", 2, 0.0),           // 3
+        ("<start_of_turn>", 3, 0.0), // 4
+        ("<end_of_turn>", 3, 0.0),   // 5
+        ("\n", 4, 0.0),              // 6 user-defined
+        ("\u{2581}", 1, -10.0),      // 7 "▁"
+        ("a", 1, -11.0),             // 8
+        ("b", 1, -12.0),             // 9
+        ("c", 1, -13.0),             // 10
+        ("ab", 1, -5.0),             // 11
+        ("bc", 1, -1.0),             // 12 scores higher than "ab" although its id is larger
+        ("\u{2581}a", 1, -2.0),      // 13 "▁a"
+        ("\u{2581}ab", 1, -3.0),     // 14 "▁ab"
+    ];
+    const SPM_BYTE0: u32 = 15;
+
+    fn spm_metadata(add_space_prefix: Option<bool>) -> HashMap<String, Value> {
+        let mut tokens: Vec<Value> = SPM_TOKENS
+            .iter()
+            .map(|(t, _, _)| Value::String(t.to_string()))
+            .collect();
+        let mut types: Vec<Value> = SPM_TOKENS
+            .iter()
+            .map(|&(_, ty, _)| Value::I32(ty))
+            .collect();
+        let mut scores: Vec<Value> = SPM_TOKENS.iter().map(|&(_, _, s)| Value::F32(s)).collect();
+        for b in 0..=255u8 {
+            tokens.push(Value::String(format!("<0x{b:02X}>")));
+            types.push(Value::I32(6));
+            scores.push(Value::F32(0.0));
+        }
+        let mut md = HashMap::new();
+        md.insert("tokenizer.ggml.model".into(), Value::String("llama".into()));
+        md.insert("tokenizer.ggml.tokens".into(), Value::Array(tokens));
+        md.insert("tokenizer.ggml.token_type".into(), Value::Array(types));
+        md.insert("tokenizer.ggml.scores".into(), Value::Array(scores));
+        md.insert("tokenizer.ggml.bos_token_id".into(), Value::U32(2));
+        md.insert("tokenizer.ggml.eos_token_id".into(), Value::U32(1));
+        md.insert("tokenizer.ggml.unknown_token_id".into(), Value::U32(3));
+        md.insert("tokenizer.ggml.padding_token_id".into(), Value::U32(0));
+        if let Some(prefix) = add_space_prefix {
+            md.insert(
+                "tokenizer.ggml.add_space_prefix".into(),
+                Value::Bool(prefix),
+            );
+        }
+        md
+    }
+
+    #[test]
+    fn spm_merges_are_every_split_ranked_by_the_merged_tokens_score() {
+        let md = spm_metadata(None);
+        let vocab = GgufVocab::read(&md).unwrap();
+        let scores = read_scores(&md, vocab.len()).unwrap();
+        let merges = merges_by_score(&vocab, &scores, &vocab.to_map().unwrap());
+        // bc (-1), ▁a (-2), ▁ab (-3, split after "▁" then after "▁a"), ab (-5); no merge
+        // forms the control, user-defined or byte tokens (their pieces are not tokens).
+        let want = [
+            ("b", "c"),
+            ("\u{2581}", "a"),
+            ("\u{2581}", "ab"),
+            ("\u{2581}a", "b"),
+            ("a", "b"),
+        ];
+        let want: Vec<(String, String)> = want
+            .iter()
+            .map(|(a, b)| (a.to_string(), b.to_string()))
+            .collect();
+        assert_eq!(merges, want);
+    }
+
+    #[test]
+    fn spm_encodes_by_hand_derived_ids() {
+        let (plain, _) = tokenizer_from_metadata(&spm_metadata(Some(false))).unwrap();
+        let (prefixed, _) = tokenizer_from_metadata(&spm_metadata(None)).unwrap();
+        let [e_hi, e_lo] = [SPM_BYTE0 + 0xC3, SPM_BYTE0 + 0xA9]; // "é" = C3 A9
+                                                                 // (input, ids without the space prefix, ids with it), following llama.cpp's SPM
+                                                                 // loop by hand: spaces become ▁; the adjacent pair whose merge scores highest merges
+                                                                 // first; a character outside the vocabulary becomes its UTF-8 byte tokens.
+        let rows: &[(&str, &[u32], &[u32])] = &[
+            // "ab" (-5) merges; with the prefix "▁a" (-2) beats "ab", then "▁a"+"b" = "▁ab".
+            ("ab", &[11], &[14]),
+            // "bc" (-1) beats "ab" (-5): a + bc, although "ab" has the smaller id.
+            ("abc", &[8, 12], &[13, 12]),
+            ("bab", &[9, 11], &[7, 9, 11]),
+            // "a▁" and "▁b" are not tokens.
+            ("a b", &[8, 7, 9], &[13, 7, 9]),
+            (" ab", &[14], &[7, 14]),
+            // byte fallback
+            ("\u{e9}", &[e_hi, e_lo], &[7, e_hi, e_lo]),
+            ("a\u{e9} b", &[8, e_hi, e_lo, 7, 9], &[13, e_hi, e_lo, 7, 9]),
+            // control and user-defined tokens are cut out first; llama.cpp gives every
+            // fragment after one the space prefix too.
+            ("<start_of_turn>ab<end_of_turn>", &[4, 11, 5], &[4, 14, 5]),
+            ("ab\nab", &[11, 6, 11], &[14, 6, 14]),
+            ("", &[], &[]),
+        ];
+        for (text, want_plain, want_prefixed) in rows {
+            assert_eq!(encode(&plain, text), *want_plain, "no prefix {text:?}");
+            assert_eq!(encode(&prefixed, text), *want_prefixed, "prefix {text:?}");
+        }
+    }
+
+    #[test]
+    fn spm_decode_inverts_encode() {
+        let (plain, _) = tokenizer_from_metadata(&spm_metadata(Some(false))).unwrap();
+        let (prefixed, _) = tokenizer_from_metadata(&spm_metadata(Some(true))).unwrap();
+        for text in ["ab", " ab", "abc a b", "a\u{e9} b", "  "] {
+            assert_eq!(plain.decode(&encode(&plain, text), false).unwrap(), text);
+            // The prefix space is stripped again from the first piece.
+            assert_eq!(
+                prefixed.decode(&encode(&prefixed, text), false).unwrap(),
+                text
+            );
+        }
+        assert_eq!(
+            plain.decode(&encode(&plain, "ab\nab"), false).unwrap(),
+            "ab\nab"
+        );
+        // The prefix given to the fragment after a user-defined token stays (as in
+        // llama.cpp, whose detokenizer strips only the first piece's space).
+        let ids = encode(&prefixed, "ab\nab");
+        assert_eq!(ids, [14, 6, 14]);
+        assert_eq!(prefixed.decode(&ids, false).unwrap(), "ab\n ab");
+        let ids = encode(&plain, "<start_of_turn>ab<end_of_turn>");
+        assert_eq!(
+            plain.decode(&ids, false).unwrap(),
+            "<start_of_turn>ab<end_of_turn>"
+        );
+        assert_eq!(plain.decode(&ids, true).unwrap(), "ab");
+        // A lone byte token of an incomplete character decodes to U+FFFD.
+        assert_eq!(
+            plain.decode(&[SPM_BYTE0 + 0xC3], false).unwrap(),
+            "\u{fffd}"
+        );
+    }
+
+    #[test]
+    fn spm_special_tokens_and_bos() {
+        let (tok, sp) = tokenizer_from_metadata(&spm_metadata(None)).unwrap();
+        // No tokenizer.ggml.add_bos_token: llama's default is true.
+        assert_eq!(
+            sp,
+            SpecialTokens {
+                bos: Some(2),
+                eos: Some(1),
+                pad: Some(0),
+                stop: vec![1, 5],
+                add_bos: true,
+            }
+        );
+        assert_eq!(tok.encode("ab", true).unwrap().get_ids(), &[2, 14]);
+        assert_eq!(tok.encode("ab", false).unwrap().get_ids(), &[14]);
+    }
+
+    #[test]
+    fn spm_bad_metadata_is_an_error_not_a_panic() {
+        type Edit = fn(&mut HashMap<String, Value>);
+        fn scores(n: usize) -> Value {
+            Value::Array(vec![Value::F32(0.0); n])
+        }
+        let n = SPM_TOKENS.len() + 256;
+        let cases: &[(&str, Edit)] = &[
+            ("no scores", |md| {
+                md.remove("tokenizer.ggml.scores");
+            }),
+            ("scores shorter than tokens", |md| {
+                let n = SPM_TOKENS.len() + 255;
+                md.insert("tokenizer.ggml.scores".into(), scores(n));
+            }),
+            ("scores longer than tokens", |md| {
+                let n = SPM_TOKENS.len() + 257;
+                md.insert("tokenizer.ggml.scores".into(), scores(n));
+            }),
+            ("scores not an array", |md| {
+                md.insert("tokenizer.ggml.scores".into(), Value::F32(1.0));
+            }),
+            ("score not a number", |md| {
+                let mut v = vec![Value::F32(0.0); SPM_TOKENS.len() + 256];
+                v[3] = Value::String("x".into());
+                md.insert("tokenizer.ggml.scores".into(), Value::Array(v));
+            }),
+            ("score NaN", |md| {
+                let mut v = vec![Value::F32(0.0); SPM_TOKENS.len() + 256];
+                v[8] = Value::F32(f32::NAN);
+                md.insert("tokenizer.ggml.scores".into(), Value::Array(v));
+            }),
+            ("add_space_prefix not a boolean", |md| {
+                md.insert(
+                    "tokenizer.ggml.add_space_prefix".into(),
+                    Value::String("yes".into()),
+                );
+            }),
+            ("unknown token out of range", |md| {
+                md.insert(
+                    "tokenizer.ggml.unknown_token_id".into(),
+                    Value::U32(1 << 20),
+                );
+            }),
+            ("token types shorter than tokens", |md| {
+                md.insert(
+                    "tokenizer.ggml.token_type".into(),
+                    Value::Array(vec![Value::I32(1); 3]),
+                );
+            }),
+            ("duplicate token", |md| {
+                let mut t = md["tokenizer.ggml.tokens"].to_vec().unwrap().clone();
+                t[9] = Value::String("a".into());
+                md.insert("tokenizer.ggml.tokens".into(), Value::Array(t));
+            }),
+        ];
+        assert_eq!(read_scores(&spm_metadata(None), n).unwrap().len(), n);
+        for (name, edit) in cases {
+            let mut md = spm_metadata(None);
+            edit(&mut md);
+            match tokenizer_from_metadata(&md) {
+                Err(Error::Tokenizer(_) | Error::Metadata { .. }) => {}
+                Err(e) => panic!("{name}: unexpected error kind {e}"),
+                Ok(_) => panic!("{name}: accepted bad metadata"),
+            }
         }
     }
 

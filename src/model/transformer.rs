@@ -9,7 +9,9 @@ use candle_core::quantized::QTensor;
 use candle_core::{Device, Tensor, D};
 
 use crate::model::attention;
+use crate::model::config::{Architecture, LayerSpec};
 use crate::model::gguf::{GgufFile, TensorSource};
+use crate::model::intervene::MaskSpan;
 use crate::model::linear::Projections;
 use crate::model::{Config, Interventions, KvCache, Linear, Numerics, Observer, Rope};
 use crate::{Error, Result};
@@ -28,14 +30,31 @@ pub const DEFAULT_CHUNK: usize = 256;
 
 #[derive(Debug, Clone)]
 struct Block {
+    /// `(d_model,)`.
     attn_norm: Tensor,
+    /// Gemma 3: RMSNorm weights `(d_head,)` applied to every query and key head.
+    qk_norm: Option<(Tensor, Tensor)>,
     /// Q, K and V.
     qkv: Projections,
     wo: Linear,
+    /// Gemma 3: RMSNorm `(d_model,)` of the attention output before the residual add.
+    post_attn_norm: Option<Tensor>,
+    /// `(d_model,)`.
     ffn_norm: Tensor,
     /// Gate and up.
     gate_up: Projections,
     down: Linear,
+    /// Gemma 3: RMSNorm `(d_model,)` of the FFN output before the residual add.
+    post_ffn_norm: Option<Tensor>,
+}
+
+/// The gate nonlinearity of the feed-forward block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Activation {
+    /// `x * sigmoid(x)` (SwiGLU: Llama).
+    Silu,
+    /// GELU, tanh approximation (GeGLU: Gemma).
+    GeluTanh,
 }
 
 /// A decoder-only transformer whose every attention head can be observed and edited.
@@ -43,8 +62,13 @@ struct Block {
 pub struct Model {
     cfg: Config,
     numerics: Numerics,
+    /// Per layer: RoPE, window.
+    specs: Vec<LayerSpec>,
     /// `(vocab, d_model)` f32.
     embed: Tensor,
+    /// Multiplies the looked-up embeddings (`sqrt(d_model)` for Gemma, else 1).
+    embed_scale: f64,
+    activation: Activation,
     blocks: Vec<Block>,
     /// `(d_model,)`.
     final_norm: Tensor,
@@ -120,11 +144,25 @@ impl Model {
         } else {
             Linear::with_dense(embed_q, &embed, numerics)?
         };
+        let gemma = cfg.architecture == Architecture::Gemma3;
         let mut blocks = Vec::with_capacity(cfg.n_layers);
         for l in 0..cfg.n_layers {
             let n = |s: &str| format!("blk.{l}.{s}.weight");
+            let mut gemma_norm = |s: &str, width: usize| -> Result<Option<Tensor>> {
+                gemma.then(|| norm_weight(src, &n(s), width)).transpose()
+            };
+            let qk_norm = match (
+                gemma_norm("attn_q_norm", dh)?,
+                gemma_norm("attn_k_norm", dh)?,
+            ) {
+                (Some(q), Some(k)) => Some((q, k)),
+                _ => None,
+            };
+            let post_attn_norm = gemma_norm("post_attention_norm", d)?;
+            let post_ffn_norm = gemma_norm("post_ffw_norm", d)?;
             blocks.push(Block {
                 attn_norm: norm_weight(src, &n("attn_norm"), d)?,
+                qk_norm,
                 qkv: Projections::new(
                     vec![
                         qtensor(src, &n("attn_q"), cfg.n_heads * dh, d)?,
@@ -134,6 +172,7 @@ impl Model {
                     numerics,
                 )?,
                 wo: linear(src, &n("attn_output"), d, cfg.n_heads * dh, numerics)?,
+                post_attn_norm,
                 ffn_norm: norm_weight(src, &n("ffn_norm"), d)?,
                 gate_up: Projections::new(
                     vec![
@@ -143,23 +182,37 @@ impl Model {
                     numerics,
                 )?,
                 down: linear(src, &n("ffn_down"), d, cfg.d_ff, numerics)?,
+                post_ffn_norm,
             });
         }
         let final_norm = norm_weight(src, "output_norm.weight", d)?;
+        let specs: Vec<LayerSpec> = (0..cfg.n_layers).map(|l| cfg.layer(l)).collect();
         let mut ropes: Vec<Rope> = Vec::with_capacity(cfg.n_layers);
-        let mut bases: Vec<f32> = Vec::new();
-        for l in 0..cfg.n_layers {
-            let base = cfg.layer(l).rope_base;
-            match bases.iter().position(|&b| b == base) {
+        for (l, spec) in specs.iter().enumerate() {
+            let same = specs[..l]
+                .iter()
+                .position(|o| (o.rope_base, o.rope_style) == (spec.rope_base, spec.rope_style));
+            match same {
                 Some(i) => ropes.push(ropes[i].clone()),
-                None => ropes.push(Rope::new(base, dh, cfg.context_length)?),
+                None => ropes.push(Rope::new(
+                    spec.rope_base,
+                    dh,
+                    cfg.context_length,
+                    spec.rope_style,
+                )?),
             }
-            bases.push(base);
         }
+        let (embed_scale, activation) = match cfg.architecture {
+            Architecture::Llama => (1.0, Activation::Silu),
+            Architecture::Gemma3 => ((d as f64).sqrt(), Activation::GeluTanh),
+        };
         Ok(Self {
             cfg,
             numerics,
+            specs,
             embed,
+            embed_scale,
+            activation,
             blocks,
             final_norm,
             lm_head,
@@ -274,15 +327,29 @@ impl Model {
         observer.begin(start, q);
         let ids = Tensor::from_slice(tokens, q, &Device::Cpu)?;
         let mut x = self.embed.index_select(&ids, 0)?;
+        if self.embed_scale != 1.0 {
+            x = (x * self.embed_scale)?;
+        }
         let causal = (q > 1).then(|| causal_mask(start, q)).transpose()?;
+        let eps = self.cfg.rms_eps as f32;
+        let post_norm = |t: Tensor, w: &Option<Tensor>| -> Result<Tensor> {
+            Ok(match w {
+                Some(w) => candle_nn::ops::rms_norm(&t, w, eps)?,
+                None => t,
+            })
+        };
         for (l, block) in self.blocks.iter().enumerate() {
             let attn =
                 self.attention(l, block, &x, start, causal.as_ref(), cache, observer, edits)?;
-            x = (x + attn)?;
-            let h = candle_nn::ops::rms_norm(&x, &block.ffn_norm, self.cfg.rms_eps as f32)?;
+            x = (x + post_norm(attn, &block.post_attn_norm)?)?;
+            let h = candle_nn::ops::rms_norm(&x, &block.ffn_norm, eps)?;
             let gu = block.gate_up.forward(&h)?;
-            let gated = (gu[0].silu()? * &gu[1])?;
-            x = (x + block.down.forward(&gated)?)?;
+            let gate = match self.activation {
+                Activation::Silu => gu[0].silu()?,
+                Activation::GeluTanh => gu[0].gelu()?,
+            };
+            let ffn = block.down.forward(&(gate * &gu[1])?)?;
+            x = (x + post_norm(ffn, &block.post_ffn_norm)?)?;
             if wants.residual {
                 observer.residual(l, &x);
             }
@@ -316,18 +383,48 @@ impl Model {
         let (q_len, nh, nkv, dh) = (x.dim(0)?, cfg.n_heads, cfg.n_kv_heads, cfg.d_head);
         let h = candle_nn::ops::rms_norm(x, &block.attn_norm, cfg.rms_eps as f32)?;
         let rope = &self.ropes[layer];
+        // (q_len, n * d_head) -> (1, n, q_len, d_head)
         let heads = |t: Tensor, n: usize| -> Result<Tensor> {
             Ok(t.reshape((1, q_len, n, dh))?.transpose(1, 2)?)
         };
         let qkv = block.qkv.forward(&h)?;
-        let qh = rope.apply(&heads(qkv[0].clone(), nh)?, start)?;
-        let kh = rope.apply(&heads(qkv[1].clone(), nkv)?, start)?;
+        let (mut qh, mut kh) = (heads(qkv[0].clone(), nh)?, heads(qkv[1].clone(), nkv)?);
+        if let Some((qn, kn)) = &block.qk_norm {
+            let eps = cfg.rms_eps as f32;
+            qh = candle_nn::ops::rms_norm(&qh.contiguous()?, qn, eps)?;
+            kh = candle_nn::ops::rms_norm(&kh.contiguous()?, kn, eps)?;
+        }
+        let qh = rope.apply(&qh, start)?.squeeze(0)?;
+        let kh = rope.apply(&kh, start)?;
         let vh = heads(qkv[2].clone(), nkv)?;
-        let (keys, values) = cache.append(layer, &kh.squeeze(0)?, &vh.squeeze(0)?)?;
+        let stored = cache.append(layer, &kh.squeeze(0)?, &vh.squeeze(0)?)?;
+        let (mut keys, mut values, mut key_start) = (stored.keys, stored.values, stored.start);
+        let window = self.specs[layer].window;
+        if let (1, Some(w)) = (q_len, window) {
+            // A decode step of a sliding-window layer reads just its window: a contiguous
+            // tail of the stored keys, so no mask is needed.
+            let n = keys.dim(1)?;
+            if n > w {
+                keys = keys.narrow(1, n - w, w)?;
+                values = values.narrow(1, n - w, w)?;
+                key_start += n - w;
+            }
+        }
         let kv_len = keys.dim(1)?;
-        let qh = qh.squeeze(0)?;
-        let mask = edits.score_mask(layer, nh, start, q_len, kv_len)?;
+        let span = MaskSpan {
+            queries: start..start + q_len,
+            keys: key_start..key_start + kv_len,
+            window,
+        };
+        let mask = edits.score_mask(layer, nh, &span)?;
+        // Without a mask, the chunk's causal mask covers keys from position 0 (the window
+        // always cuts, and so builds a mask, once keys were dropped and q_len > 1).
+        debug_assert!(mask.is_some() || q_len == 1 || key_start == 0);
         let wants = observer.wants();
+        let observe = |observer: &mut dyn Observer, probs: &Tensor| -> Result<()> {
+            observer.attention(layer, &pad_keys(probs, key_start)?);
+            Ok(())
+        };
         let out = match self.numerics {
             Numerics::Fast => {
                 let (out, probs) = if q_len == 1 {
@@ -338,7 +435,7 @@ impl Model {
                     (out, Some(probs))
                 };
                 if let (true, Some(probs)) = (wants.attention, probs) {
-                    observer.attention(layer, &probs);
+                    observe(observer, &probs)?;
                 }
                 out
             }
@@ -346,9 +443,9 @@ impl Model {
                 if wants.attention {
                     let (_, probs) =
                         attention::batched(&qh, &keys, &values, mask.as_ref(), causal)?;
-                    observer.attention(layer, &probs);
+                    observe(observer, &probs)?;
                 }
-                attention::streaming(&qh, &keys, &values, start, mask.as_ref())?
+                attention::streaming(&qh, &keys, &values, start - key_start, mask.as_ref())?
             }
         };
         let out = out.transpose(0, 1)?.contiguous()?;
@@ -358,6 +455,18 @@ impl Model {
         let out = edits.edit_outputs(layer, out)?;
         block.wo.forward(&out.reshape((q_len, nh * dh))?)
     }
+}
+
+/// Attention probabilities over stored keys that start at absolute position `key_start`,
+/// `(n_heads, q, kv_len)`, widened with zeros to `(n_heads, q, key_start + kv_len)` so
+/// that column `j` is always position `j`.
+fn pad_keys(probs: &Tensor, key_start: usize) -> Result<Tensor> {
+    if key_start == 0 {
+        return Ok(probs.clone());
+    }
+    let (nh, q, _) = probs.dims3()?;
+    let zeros = Tensor::zeros((nh, q, key_start), probs.dtype(), probs.device())?;
+    Ok(Tensor::cat(&[&zeros, probs], 2)?)
 }
 
 /// `(q, start + q)` additive causal mask for queries at `start..start + q`.

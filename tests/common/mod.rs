@@ -10,7 +10,7 @@ use std::sync::OnceLock;
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use headwise::model::gguf::MemorySource;
-use headwise::model::{Architecture, Config, Model, Numerics};
+use headwise::model::{Architecture, Config, Model, Numerics, SlidingWindow};
 
 /// The SmolLM2 GGUF, fetched into `models/` (or `$HEADWISE_MODELS_DIR`) if missing.
 pub fn real_model() -> PathBuf {
@@ -44,7 +44,40 @@ pub fn tiny_config() -> Config {
         context_length: 128,
         rms_eps: 1e-5,
         rope_base: 10_000.0,
+        sliding_window: None,
     }
+}
+
+/// A tiny Gemma 3: 4 layers (layer 1 and 3 global), 4 query heads over 1 KV head,
+/// a sliding window of 5 positions, so that windows matter in short tests.
+pub fn tiny_gemma_config() -> Config {
+    Config {
+        architecture: Architecture::Gemma3,
+        n_layers: 4,
+        n_heads: 4,
+        n_kv_heads: 1,
+        d_model: 32,
+        d_head: 16,
+        d_ff: 48,
+        vocab_size: 61,
+        context_length: 128,
+        rms_eps: 1e-6,
+        rope_base: 1_000_000.0,
+        sliding_window: Some(SlidingWindow {
+            size: 5,
+            global_every: 2,
+            local_rope_base: 10_000.0,
+        }),
+    }
+}
+
+/// Gemma 3's extra norms of one layer.
+#[derive(Clone)]
+pub struct GemmaNorms {
+    pub q_norm: Vec<f32>,
+    pub k_norm: Vec<f32>,
+    pub post_attn: Vec<f32>,
+    pub post_ffn: Vec<f32>,
 }
 
 /// Row-major weights of one layer, `(out, in)` like GGUF.
@@ -59,6 +92,8 @@ pub struct LayerW {
     pub gate: Vec<f32>,
     pub up: Vec<f32>,
     pub down: Vec<f32>,
+    /// Present for Gemma 3.
+    pub gemma: Option<GemmaNorms>,
 }
 
 /// All weights of a tiny model.
@@ -100,6 +135,12 @@ impl Weights {
                 gate: r.vec(f * d, s(d), 0.0),
                 up: r.vec(f * d, s(d), 0.0),
                 down: r.vec(d * f, s(f), 0.0),
+                gemma: (cfg.architecture == Architecture::Gemma3).then(|| GemmaNorms {
+                    q_norm: r.vec(dh, 0.3, 1.0),
+                    k_norm: r.vec(dh, 0.3, 1.0),
+                    post_attn: r.vec(d, 0.1, 0.5),
+                    post_ffn: r.vec(d, 0.1, 0.5),
+                }),
             })
             .collect();
         Self {
@@ -136,6 +177,12 @@ impl Weights {
             put(n("ffn_gate"), &w.gate, &[f, d]);
             put(n("ffn_up"), &w.up, &[f, d]);
             put(n("ffn_down"), &w.down, &[d, f]);
+            if let Some(g) = &w.gemma {
+                put(n("attn_q_norm"), &g.q_norm, &[dh]);
+                put(n("attn_k_norm"), &g.k_norm, &[dh]);
+                put(n("post_attention_norm"), &g.post_attn, &[d]);
+                put(n("post_ffw_norm"), &g.post_ffn, &[d]);
+            }
         }
         Model::from_source(cfg.clone(), &mut src, numerics).unwrap()
     }
@@ -176,15 +223,26 @@ fn rmsnorm(x: &[f32], w: &[f32], eps: f64) -> Vec<f32> {
         .collect()
 }
 
-fn rope(v: &mut [f32], pos: usize, base: f32) {
+/// Rotate pairs `(2i, 2i+1)` (llama) or `(i, i + d/2)` (Gemma) by `pos * base^(-2i/d)`.
+fn rope(v: &mut [f32], pos: usize, base: f32, halves: bool) {
     let d = v.len();
     for i in 0..d / 2 {
         let theta = pos as f64 * (base as f64).powf(-2.0 * i as f64 / d as f64);
         let (s, c) = theta.sin_cos();
-        let (a, b) = (v[2 * i] as f64, v[2 * i + 1] as f64);
-        v[2 * i] = (a * c - b * s) as f32;
-        v[2 * i + 1] = (a * s + b * c) as f32;
+        let (x, y) = if halves {
+            (i, i + d / 2)
+        } else {
+            (2 * i, 2 * i + 1)
+        };
+        let (a, b) = (v[x] as f64, v[y] as f64);
+        v[x] = (a * c - b * s) as f32;
+        v[y] = (a * s + b * c) as f32;
     }
+}
+
+/// GELU, tanh approximation.
+fn gelu(x: f64) -> f64 {
+    0.5 * x * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x.powi(3))).tanh())
 }
 
 /// Logits `(tokens.len(), vocab)` computed by plain loops, one position at a time.
@@ -192,11 +250,23 @@ pub fn brute_force_logits(w: &Weights, tokens: &[u32], edits: &BruteEdits) -> Ve
     let cfg = &w.cfg;
     let (d, dh, nh, nkv) = (cfg.d_model, cfg.d_head, cfg.n_heads, cfg.n_kv_heads);
     let group = nh / nkv;
+    let gemma = cfg.architecture == Architecture::Gemma3;
+    let embed_scale = if gemma { (d as f64).sqrt() } else { 1.0 };
     let mut xs: Vec<Vec<f32>> = tokens
         .iter()
-        .map(|&t| w.embed[t as usize * d..(t as usize + 1) * d].to_vec())
+        .map(|&t| {
+            w.embed[t as usize * d..(t as usize + 1) * d]
+                .iter()
+                .map(|v| (*v as f64 * embed_scale) as f32)
+                .collect()
+        })
         .collect();
     for (l, lw) in w.layers.iter().enumerate() {
+        // Gemma 3 here: every `global_every`-th layer global, the rest windowed.
+        let (base, window) = match cfg.sliding_window {
+            Some(sw) if l % sw.global_every != sw.global_every - 1 => (sw.local_rope_base, sw.size),
+            _ => (cfg.rope_base, usize::MAX),
+        };
         let hs: Vec<Vec<f32>> = xs
             .iter()
             .map(|x| rmsnorm(x, &lw.attn_norm, cfg.rms_eps))
@@ -207,11 +277,19 @@ pub fn brute_force_logits(w: &Weights, tokens: &[u32], edits: &BruteEdits) -> Ve
         for (p, h) in hs.iter().enumerate() {
             let mut q = matvec(&lw.wq, h, nh * dh);
             let mut k = matvec(&lw.wk, h, nkv * dh);
+            if let Some(g) = &lw.gemma {
+                for head in q.chunks_mut(dh) {
+                    head.copy_from_slice(&rmsnorm(head, &g.q_norm, cfg.rms_eps));
+                }
+                for head in k.chunks_mut(dh) {
+                    head.copy_from_slice(&rmsnorm(head, &g.k_norm, cfg.rms_eps));
+                }
+            }
             for head in q.chunks_mut(dh) {
-                rope(head, p, cfg.rope_base);
+                rope(head, p, base, gemma);
             }
             for head in k.chunks_mut(dh) {
-                rope(head, p, cfg.rope_base);
+                rope(head, p, base, gemma);
             }
             qs.push(q);
             ks.push(k);
@@ -226,6 +304,7 @@ pub fn brute_force_logits(w: &Weights, tokens: &[u32], edits: &BruteEdits) -> Ve
                     None => {
                         let q = &qs[p][head * dh..(head + 1) * dh];
                         let keys: Vec<usize> = (0..=p)
+                            .filter(|&j| p - j < window)
                             .filter(|&j| j == p || (edits.visible)(l, head, p, j))
                             .collect();
                         let scores: Vec<f64> = keys
@@ -253,7 +332,10 @@ pub fn brute_force_logits(w: &Weights, tokens: &[u32], edits: &BruteEdits) -> Ve
                 };
                 concat[head * dh..(head + 1) * dh].copy_from_slice(&out);
             }
-            let attn = matvec(&lw.wo, &concat, d);
+            let mut attn = matvec(&lw.wo, &concat, d);
+            if let Some(g) = &lw.gemma {
+                attn = rmsnorm(&attn, &g.post_attn, cfg.rms_eps);
+            }
             for (x, a) in xs[p].iter_mut().zip(attn) {
                 *x += a;
             }
@@ -265,9 +347,21 @@ pub fn brute_force_logits(w: &Weights, tokens: &[u32], edits: &BruteEdits) -> Ve
             let act: Vec<f32> = g
                 .iter()
                 .zip(&u)
-                .map(|(g, u)| (*g as f64 / (1.0 + (-*g as f64).exp())) as f32 * u)
+                .map(|(g, u)| {
+                    let g = *g as f64;
+                    let a = if gemma {
+                        gelu(g)
+                    } else {
+                        g / (1.0 + (-g).exp())
+                    };
+                    a as f32 * u
+                })
                 .collect();
-            for (x, dv) in x.iter_mut().zip(matvec(&lw.down, &act, d)) {
+            let mut down = matvec(&lw.down, &act, d);
+            if let Some(gn) = &lw.gemma {
+                down = rmsnorm(&down, &gn.post_ffn, cfg.rms_eps);
+            }
+            for (x, dv) in x.iter_mut().zip(down) {
                 *x += dv;
             }
         }

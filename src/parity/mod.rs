@@ -9,11 +9,16 @@
 use candle_core::D;
 
 use crate::bench::synthetic_notes;
+#[cfg(feature = "mistralrs")]
 use crate::engine::mistralrs::MistralRsEngine;
+use crate::engine::GreedyTrace;
 use crate::model::{
-    generate, GenerateOptions, Interventions, KvCache, LoadedModel, Logits, NoObserver,
+    argmax, generate, GenerateOptions, Interventions, KvCache, LoadedModel, Logits, Model,
+    NoObserver,
 };
 use crate::Result;
+
+pub mod llama_cpp;
 
 /// Greedy tokens compared per prompt.
 pub const GREEDY_TOKENS: usize = 32;
@@ -153,7 +158,40 @@ fn top2_gap(row: &[f32]) -> f32 {
     a - b
 }
 
+/// `n` greedy tokens after `prompt` (no stop token: the reference runs ignore EOS too),
+/// with the top-2 logit gap of every step.
+pub fn greedy_trace(model: &Model, prompt: &[u32], n: usize) -> Result<GreedyTrace> {
+    let mut cache = KvCache::new(model.config(), prompt.len() + n);
+    let (none, mut trace) = (Interventions::new(), GreedyTrace::default());
+    let mut logits = model.forward(prompt, &mut cache, Logits::Last, &mut NoObserver, &none)?;
+    for step in 0..n {
+        let next = argmax(&logits)?;
+        trace.tokens.push(next);
+        trace
+            .top2_gaps
+            .push(top2_gap(&logits.flatten_all()?.to_vec1()?));
+        if step + 1 < n {
+            logits = model.forward(&[next], &mut cache, Logits::Last, &mut NoObserver, &none)?;
+        }
+    }
+    Ok(trace)
+}
+
+/// Where two greedy continuations first differ, with both engines' top-2 gaps there.
+pub fn divergence(ours: &GreedyTrace, reference: &GreedyTrace) -> Option<Divergence> {
+    ours.tokens
+        .iter()
+        .zip(&reference.tokens)
+        .position(|(x, y)| x != y)
+        .map(|step| Divergence {
+            step,
+            gap_ours: ours.top2_gaps[step],
+            gap_reference: reference.top2_gaps[step],
+        })
+}
+
 /// Compare one prompt.
+#[cfg(feature = "mistralrs")]
 pub fn compare_prompt(
     ours: &LoadedModel,
     reference: &MistralRsEngine,
@@ -228,6 +266,7 @@ pub fn compare_prompt(
 }
 
 /// Compare all [`prompts`], calling `progress` after each.
+#[cfg(feature = "mistralrs")]
 pub fn run(
     ours: &LoadedModel,
     reference: &MistralRsEngine,

@@ -1,0 +1,346 @@
+//! llama.cpp as a reference engine, through its own binaries: a `llama-server` child
+//! process on loopback (tokenization, greedy completions with the top-2 log-probabilities
+//! of every step) and `llama-perplexity`.
+//!
+//! The binaries come from `../shared/tools/build-llama-bench.sh` (which builds them under
+//! `$HOME/.cache/llama-bench`); [`LlamaCppBins::find`] looks there, in a portable build
+//! next to it, or in a given folder, and keeps the first whose binaries actually compute
+//! (a `GGML_NATIVE` build can start fine and die with SIGILL in its first matmul on a
+//! virtual CPU that reports more than it runs).
+
+use std::io::Read;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use crate::engine::GreedyTrace;
+use crate::{Error, Result};
+
+/// Where the workplace's build script puts the binaries, under `$HOME`.
+const CACHE_BUILDS: &[&str] = &[
+    ".cache/llama-bench/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin",
+    ".cache/llama-bench/llama_cpp_python-0.3.36/vendor/llama.cpp/build-portable/bin",
+];
+
+/// Attention settings for both binaries: plain (not flash) attention over an f32 KV
+/// cache. llama.cpp's defaults (an f16 cache, flash attention with f16 queries and
+/// value sums) round differently from the instrumented model's f32 attention; these
+/// keep the comparison about the model.
+const ATTENTION_FLAGS: &[&str] = &["-fa", "off", "-ctk", "f32", "-ctv", "f32"];
+
+/// How long `llama-server` may take to load a model.
+const STARTUP: Duration = Duration::from_secs(120);
+
+fn err(msg: impl Into<String>) -> Error {
+    Error::LlamaCpp(msg.into())
+}
+
+/// A folder holding working `llama-server` and `llama-perplexity` binaries.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LlamaCppBins {
+    dir: PathBuf,
+}
+
+impl LlamaCppBins {
+    /// `dir` if given, else the first known build location whose binaries run and
+    /// compute with `model` (a two-chunk perplexity over a few tokens).
+    pub fn find(dir: Option<&Path>, model: &Path) -> Result<Self> {
+        let candidates: Vec<PathBuf> = match dir {
+            Some(d) => vec![d.to_path_buf()],
+            None => {
+                let home = std::env::var_os("HOME")
+                    .map(PathBuf::from)
+                    .unwrap_or_default();
+                CACHE_BUILDS.iter().map(|p| home.join(p)).collect()
+            }
+        };
+        let mut tried = Vec::new();
+        for dir in candidates {
+            let bins = Self { dir };
+            match bins.check(model) {
+                Ok(()) => return Ok(bins),
+                Err(e) => tried.push(e.to_string()),
+            }
+        }
+        Err(err(format!(
+            "no working llama-server/llama-perplexity ({}); build them with \
+             ../shared/tools/build-llama-bench.sh or pass --llama-bin DIR",
+            tried.join("; ")
+        )))
+    }
+
+    /// The folder.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    fn bin(&self, name: &str) -> PathBuf {
+        self.dir.join(name)
+    }
+
+    /// Both binaries exist and `--version` exits cleanly, and `llama-perplexity`
+    /// evaluates two chunks of 16 tokens of `model`.
+    fn check(&self, model: &Path) -> Result<()> {
+        for name in ["llama-server", "llama-perplexity"] {
+            let path = self.bin(name);
+            if !path.is_file() {
+                return Err(err(format!("{} missing", path.display())));
+            }
+            let status = Command::new(&path)
+                .arg("--version")
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status()
+                .map_err(|e| err(format!("{}: {e}", path.display())))?;
+            if !status.success() {
+                return Err(err(format!("{} does not run ({status})", path.display())));
+            }
+        }
+        let text =
+            std::env::temp_dir().join(format!("headwise-llama-probe-{}.txt", std::process::id()));
+        std::fs::write(
+            &text,
+            "one two three four five six seven eight nine ten. ".repeat(8),
+        )
+        .map_err(|e| Error::io(&text, e))?;
+        let probe = self.perplexity(model, &text, 16, 2, 1);
+        let _ = std::fs::remove_file(&text);
+        probe
+            .map(|_| ())
+            .map_err(|e| err(format!("{}: {e}", self.dir.display())))
+    }
+
+    /// `llama-perplexity` on `text_file` in chunks of `n_ctx`, `chunks` of them; returns
+    /// its final estimate.
+    pub fn perplexity(
+        &self,
+        model: &Path,
+        text_file: &Path,
+        n_ctx: usize,
+        chunks: usize,
+        threads: usize,
+    ) -> Result<f64> {
+        let out = Command::new(self.bin("llama-perplexity"))
+            .arg("-m")
+            .arg(model)
+            .arg("-f")
+            .arg(text_file)
+            .args(["-c", &n_ctx.to_string(), "-b", &n_ctx.to_string()])
+            .args(["--chunks", &chunks.to_string(), "-t", &threads.to_string()])
+            .args(ATTENTION_FLAGS)
+            .output()
+            .map_err(|e| err(format!("llama-perplexity: {e}")))?;
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        parse_final_estimate(&text).ok_or_else(|| {
+            let tail: Vec<&str> = text.lines().rev().take(3).collect();
+            err(format!(
+                "llama-perplexity ({}) printed no final estimate: {}",
+                out.status,
+                tail.join(" | ")
+            ))
+        })
+    }
+}
+
+/// The number in `Final estimate: PPL = 12.3456 +/- 0.1`.
+fn parse_final_estimate(text: &str) -> Option<f64> {
+    let rest = text.split("Final estimate: PPL =").nth(1)?;
+    rest.split_whitespace().next()?.parse().ok()
+}
+
+/// A `llama-server` child process on a free loopback port; stopped when dropped.
+pub struct LlamaServer {
+    child: Child,
+    base: String,
+    client: reqwest::blocking::Client,
+    log: PathBuf,
+}
+
+impl LlamaServer {
+    /// Start `llama-server` on `model` with a context of `ctx` tokens and wait until it
+    /// reports healthy.
+    pub fn start(bins: &LlamaCppBins, model: &Path, ctx: usize, threads: usize) -> Result<Self> {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map_err(|e| err(format!("no free loopback port: {e}")))?
+            .port();
+        let log = std::env::temp_dir().join(format!("headwise-llama-server-{port}.log"));
+        let log_file = std::fs::File::create(&log).map_err(|e| Error::io(&log, e))?;
+        let child = Command::new(bins.bin("llama-server"))
+            .arg("-m")
+            .arg(model)
+            .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+            .args([
+                "-c",
+                &ctx.to_string(),
+                "-t",
+                &threads.to_string(),
+                "-np",
+                "1",
+            ])
+            .args(ATTENTION_FLAGS)
+            .stdout(Stdio::null())
+            .stderr(log_file)
+            .spawn()
+            .map_err(|e| err(format!("llama-server: {e}")))?;
+        let client = reqwest::blocking::Client::builder()
+            .timeout(Duration::from_secs(600))
+            .build()
+            .map_err(|e| err(format!("HTTP client: {e}")))?;
+        let mut server = Self {
+            child,
+            base: format!("http://127.0.0.1:{port}"),
+            client,
+            log,
+        };
+        server.wait_healthy()?;
+        Ok(server)
+    }
+
+    fn wait_healthy(&mut self) -> Result<()> {
+        let started = Instant::now();
+        while started.elapsed() < STARTUP {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Err(err(format!(
+                    "llama-server exited ({status}) while loading: {}",
+                    self.log_tail()
+                )));
+            }
+            let ok = self
+                .client
+                .get(format!("{}/health", self.base))
+                .timeout(Duration::from_secs(2))
+                .send()
+                .is_ok_and(|r| r.status().is_success());
+            if ok {
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_millis(250));
+        }
+        Err(err(format!(
+            "llama-server not healthy after {} s: {}",
+            STARTUP.as_secs(),
+            self.log_tail()
+        )))
+    }
+
+    fn log_tail(&self) -> String {
+        let mut text = String::new();
+        if let Ok(mut f) = std::fs::File::open(&self.log) {
+            let _ = f.read_to_string(&mut text);
+        }
+        let tail: Vec<&str> = text.lines().rev().take(3).collect();
+        tail.into_iter().rev().collect::<Vec<_>>().join(" | ")
+    }
+
+    fn post(&self, path: &str, body: Value) -> Result<Value> {
+        let response = self
+            .client
+            .post(format!("{}{path}", self.base))
+            .json(&body)
+            .send()
+            .map_err(|e| err(format!("POST {path}: {e}")))?;
+        let status = response.status();
+        let value: Value = response
+            .json()
+            .map_err(|e| err(format!("POST {path}: bad JSON ({e})")))?;
+        if !status.is_success() {
+            return Err(err(format!("POST {path}: {status} {value}")));
+        }
+        Ok(value)
+    }
+
+    /// Token ids of `text` by llama.cpp's tokenizer (`add_special`: BOS as the model
+    /// wants it).
+    pub fn tokenize(&self, text: &str, add_special: bool) -> Result<Vec<u32>> {
+        let v = self.post(
+            "/tokenize",
+            json!({"content": text, "add_special": add_special}),
+        )?;
+        ids(&v["tokens"]).ok_or_else(|| err(format!("/tokenize: no token ids in {v}")))
+    }
+
+    /// `n` greedy tokens after `prompt` (EOS ignored), with the gap between the top two
+    /// log-probabilities of every step (equal to the logit gap).
+    pub fn greedy(&self, prompt: &[u32], n: usize) -> Result<GreedyTrace> {
+        let v = self.post(
+            "/completion",
+            json!({
+                "prompt": prompt,
+                "n_predict": n,
+                "temperature": 0.0,
+                "top_k": 1,
+                "n_probs": 2,
+                "ignore_eos": true,
+                "cache_prompt": false,
+                "return_tokens": true,
+            }),
+        )?;
+        let tokens = ids(&v["tokens"]).ok_or_else(|| err("/completion: no tokens"))?;
+        let steps = v["completion_probabilities"]
+            .as_array()
+            .ok_or_else(|| err("/completion: no completion_probabilities"))?;
+        let top2_gaps = steps
+            .iter()
+            .map(|s| {
+                let top = s["top_logprobs"].as_array()?;
+                let lp = |i: usize| top.get(i)?.get("logprob")?.as_f64();
+                Some((lp(0)? - lp(1)?) as f32)
+            })
+            .collect::<Option<Vec<f32>>>()
+            .ok_or_else(|| err("/completion: steps without two top log-probabilities"))?;
+        if tokens.len() != n || top2_gaps.len() != n {
+            return Err(err(format!(
+                "/completion returned {} tokens and {} steps, asked for {n}",
+                tokens.len(),
+                top2_gaps.len()
+            )));
+        }
+        Ok(GreedyTrace { tokens, top2_gaps })
+    }
+}
+
+fn ids(v: &Value) -> Option<Vec<u32>> {
+    v.as_array()?
+        .iter()
+        .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
+        .collect()
+}
+
+impl Drop for LlamaServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_file(&self.log);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_final_estimate_is_read_from_llama_perplexity_output() {
+        let text = "[1]14.2,[2]15.0,\nFinal estimate: PPL = 15.0123 +/- 0.41234\n";
+        assert_eq!(parse_final_estimate(text), Some(15.0123));
+        assert_eq!(parse_final_estimate("failed to load model"), None);
+    }
+
+    #[test]
+    fn a_folder_without_the_binaries_is_a_clear_error() {
+        let e = LlamaCppBins::find(Some(Path::new("/nonexistent/bin")), Path::new("m.gguf"));
+        let e = e.unwrap_err();
+        let e = e.to_string();
+        assert!(
+            e.contains("llama-server missing") && e.contains("--llama-bin"),
+            "{e}"
+        );
+    }
+}

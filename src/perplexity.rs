@@ -1,0 +1,98 @@
+//! Perplexity computed the way llama.cpp's `llama-perplexity` computes it, so the two
+//! can be compared number for number.
+//!
+//! The tokens (BOS first, as the tokenizer adds it) are cut into chunks of `n_ctx`. Each
+//! chunk is evaluated from an empty cache with its first token replaced by BOS, and only
+//! its second half is scored: the logits at positions `n_ctx / 2 .. n_ctx - 1` predict
+//! the token that follows, `n_ctx - n_ctx / 2 - 1` predictions a chunk. The perplexity is
+//! `exp` of the mean negative log-likelihood over all scored predictions.
+
+use crate::model::{Interventions, KvCache, Logits, Model, NoObserver};
+use crate::{Error, Result};
+
+/// The outcome of [`perplexity`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct Perplexity {
+    /// Over every scored prediction.
+    pub ppl: f64,
+    /// The running value after each chunk (what `llama-perplexity` prints as `[i]x`).
+    pub running: Vec<f64>,
+    /// Predictions scored.
+    pub scored: usize,
+}
+
+/// Perplexity of `model` on the first `chunks * n_ctx` of `tokens`; `progress` is
+/// called after each chunk with the number done.
+pub fn perplexity(
+    model: &Model,
+    tokens: &[u32],
+    n_ctx: usize,
+    chunks: usize,
+    bos: u32,
+    progress: &mut dyn FnMut(usize),
+) -> Result<Perplexity> {
+    if n_ctx < 4 || chunks == 0 || tokens.len() < chunks * n_ctx {
+        return Err(Error::invalid(
+            "perplexity",
+            format!(
+                "{chunks} chunks of {n_ctx} tokens need {} tokens; the text has {}",
+                chunks * n_ctx,
+                tokens.len()
+            ),
+        ));
+    }
+    let first = n_ctx / 2;
+    let (mut nll, mut scored, mut running) = (0f64, 0usize, Vec::with_capacity(chunks));
+    let none = Interventions::new();
+    for c in 0..chunks {
+        let mut chunk = tokens[c * n_ctx..(c + 1) * n_ctx].to_vec();
+        chunk[0] = bos;
+        let mut cache = KvCache::new(model.config(), n_ctx);
+        model.forward(
+            &chunk[..first],
+            &mut cache,
+            Logits::Last,
+            &mut NoObserver,
+            &none,
+        )?;
+        let logits = model.forward(
+            &chunk[first..],
+            &mut cache,
+            Logits::All,
+            &mut NoObserver,
+            &none,
+        )?;
+        for (row, &next) in chunk[first + 1..].iter().enumerate() {
+            let logits: Vec<f32> = logits.get(row)?.to_vec1()?;
+            nll -= log_softmax_at(&logits, next as usize);
+            scored += 1;
+        }
+        running.push((nll / scored as f64).exp());
+        progress(c + 1);
+    }
+    Ok(Perplexity {
+        ppl: (nll / scored as f64).exp(),
+        running,
+        scored,
+    })
+}
+
+/// `log softmax(logits)[index]` in f64.
+fn log_softmax_at(logits: &[f32], index: usize) -> f64 {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let sum: f64 = logits.iter().map(|&x| (x as f64 - max).exp()).sum();
+    logits[index] as f64 - max - sum.ln()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn log_softmax_matches_a_hand_computed_value() {
+        // softmax([0, ln 3]) = [1/4, 3/4]
+        let l = [0.0, 3f32.ln()];
+        assert!((log_softmax_at(&l, 0) - 0.25f64.ln()).abs() < 1e-6);
+        assert!((log_softmax_at(&l, 1) - 0.75f64.ln()).abs() < 1e-6);
+    }
+}
