@@ -7,7 +7,8 @@ use std::process::Command;
 use clap::Args;
 use headwise::bench::{peak_rss_bytes, synthetic_notes, BenchRecord};
 use headwise::model::{
-    generate, GenerateOptions, Interventions, LoadedModel, NoObserver, Numerics,
+    generate, Architecture, Config, GenerateOptions, GgufFile, Interventions, LoadedModel,
+    NoObserver, Numerics,
 };
 
 use super::ModelArgs;
@@ -50,10 +51,18 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         );
     }
     let path = args.model.resolve()?;
+    let cfg = Config::from_gguf(GgufFile::open(&path)?.content())?;
     let exe = std::env::current_exe()?;
     let mut records: Vec<BenchRecord> = Vec::new();
     for &n in &args.prompt_tokens {
         for engine in &args.engines {
+            if engine == "mistralrs" && cfg.architecture != Architecture::Llama {
+                eprintln!(
+                    "skipping mistralrs at {n} prompt tokens: mistral.rs 0.8 cannot load {:?} from GGUF",
+                    cfg.architecture
+                );
+                continue;
+            }
             eprintln!("measuring {engine} at {n} prompt tokens ...");
             let out = Command::new(&exe)
                 .arg("bench-worker")

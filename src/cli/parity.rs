@@ -143,11 +143,11 @@ pub struct ParityArgs {
 }
 
 /// "identical" or where and how closely the continuations split.
-fn greedy_cell(divergence: Option<&Divergence>, reference: &str) -> String {
+fn greedy_cell(divergence: Option<&Divergence>, ours: &str, reference: &str) -> String {
     match divergence {
         None => format!("identical ({GREEDY_TOKENS})"),
         Some(d) => format!(
-            "differs at {} (top-2 gap ours {:.4}, {reference} {:.4}{})",
+            "differs at {} (top-2 gap {ours} {:.4}, {reference} {:.4}{})",
             d.step,
             d.gap_ours,
             d.gap_reference,
@@ -196,9 +196,13 @@ fn write_report(
     let Some(dir) = &args.out else {
         return Ok(());
     };
+    let model_flag = match &args.model.model {
+        Some(m) => format!("--model {} ", m.display()),
+        None => String::new(),
+    };
     let id = ModelId::of_file(path)?;
     let readme = format!(
-        "# {title}\n\nModel `{}` (sha256 `{}`).\n\n{body}\n\nCommand: `headwise parity {flags}--out {}` ({:.0} s wall time, {} CPU threads).\n",
+        "# {title}\n\nModel `{}` (sha256 `{}`).\n\n{body}\n\nCommand: `headwise parity {model_flag}{flags}--out {}` ({:.0} s wall time, {} CPU threads).\n",
         id.name,
         id.sha256,
         dir.display(),
@@ -219,7 +223,7 @@ fn row(p: &PromptParity) -> String {
         p.max_abs_diff,
         p.mean_abs_diff,
         100.0 * p.top1_agree as f64 / p.tokens.max(1) as f64,
-        greedy_cell(p.divergence.as_ref(), "mistral.rs")
+        greedy_cell(p.divergence.as_ref(), "ours", "mistral.rs")
     )
 }
 
@@ -269,11 +273,13 @@ fn run_mistralrs(
 
 fn llama_row(p: &GreedyParity) -> String {
     format!(
-        "| {} | {} | {} | {} |",
+        "| {} | {} | {} | {} | {} | {} |",
         p.name,
         p.tokens,
         if p.same_ids { "same" } else { "differ" },
-        greedy_cell(p.divergence.as_ref(), "llama.cpp")
+        greedy_cell(p.divergence.as_ref(), "ours", "llama.cpp"),
+        greedy_cell(p.divergence_default.as_ref(), "ours", "llama.cpp default"),
+        greedy_cell(p.divergence_self.as_ref(), "f32", "default"),
     )
 }
 
@@ -341,9 +347,9 @@ fn run_llama_cpp(
     let ours = LoadedModel::load(path, numerics)?;
     let mut table = vec![
         format!(
-            "| prompt | tokens | headwise tokenizer vs llama.cpp | greedy {GREEDY_TOKENS} tokens |"
+            "| prompt | tokens | headwise tokenizer vs llama.cpp | greedy {GREEDY_TOKENS}: headwise vs llama.cpp (f32 attention) | headwise vs llama.cpp (default attention) | llama.cpp f32 vs default attention |"
         ),
-        "| --- | ---: | --- | --- |".to_string(),
+        "| --- | ---: | --- | --- | --- | --- |".to_string(),
     ];
     eprintln!(
         "perplexity: llama-perplexity and headwise on {PPL_CHUNKS} chunks of {PPL_CTX} tokens ..."
@@ -367,11 +373,13 @@ fn run_llama_cpp(
         100.0 * report.ppl_rel_diff(),
         if report.ppl_same_ids { "the same" } else { "different" },
     );
+    let n = report.prompts.len();
     let summary = format!(
-        "identical greedy continuations {}/{} (bar 7/8); perplexity within {:.3}% (bar 1%): {verdict}",
+        "identical greedy continuations {}/{n} (bar 7/8); perplexity within {:.3}% (bar 1%): {verdict}. For scale: headwise equals llama.cpp with its default attention (f16 KV cache, flash attention) on {}/{n}, and llama.cpp's two attention settings agree with each other on {}/{n}.",
         report.identical(),
-        report.prompts.len(),
-        100.0 * report.ppl_rel_diff()
+        100.0 * report.ppl_rel_diff(),
+        report.identical_default(),
+        report.identical_self(),
     );
     println!("\n{ppl}\n\n{summary}");
     write_report(

@@ -25,11 +25,24 @@ const CACHE_BUILDS: &[&str] = &[
     ".cache/llama-bench/llama_cpp_python-0.3.36/vendor/llama.cpp/build-portable/bin",
 ];
 
-/// Attention settings for both binaries: plain (not flash) attention over an f32 KV
-/// cache. llama.cpp's defaults (an f16 cache, flash attention with f16 queries and
-/// value sums) round differently from the instrumented model's f32 attention; these
-/// keep the comparison about the model.
-const ATTENTION_FLAGS: &[&str] = &["-fa", "off", "-ctk", "f32", "-ctv", "f32"];
+/// How llama.cpp runs attention.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Attention {
+    /// Plain (not flash) attention over an f32 KV cache: the arithmetic of the
+    /// instrumented model's f32 attention, so the comparison is about the model.
+    F32,
+    /// llama.cpp's defaults: an f16 KV cache and flash attention where available.
+    Default,
+}
+
+impl Attention {
+    fn flags(self) -> &'static [&'static str] {
+        match self {
+            Attention::F32 => &["-fa", "off", "-ctk", "f32", "-ctv", "f32"],
+            Attention::Default => &[],
+        }
+    }
+}
 
 /// How long `llama-server` may take to load a model.
 const STARTUP: Duration = Duration::from_secs(120);
@@ -113,8 +126,8 @@ impl LlamaCppBins {
             .map_err(|e| err(format!("{}: {e}", self.dir.display())))
     }
 
-    /// `llama-perplexity` on `text_file` in chunks of `n_ctx`, `chunks` of them; returns
-    /// its final estimate.
+    /// `llama-perplexity` on `text_file` in chunks of `n_ctx`, `chunks` of them, with
+    /// [`Attention::F32`]; returns its final estimate.
     pub fn perplexity(
         &self,
         model: &Path,
@@ -130,7 +143,7 @@ impl LlamaCppBins {
             .arg(text_file)
             .args(["-c", &n_ctx.to_string(), "-b", &n_ctx.to_string()])
             .args(["--chunks", &chunks.to_string(), "-t", &threads.to_string()])
-            .args(ATTENTION_FLAGS)
+            .args(Attention::F32.flags())
             .output()
             .map_err(|e| err(format!("llama-perplexity: {e}")))?;
         let text = format!(
@@ -166,7 +179,13 @@ pub struct LlamaServer {
 impl LlamaServer {
     /// Start `llama-server` on `model` with a context of `ctx` tokens and wait until it
     /// reports healthy.
-    pub fn start(bins: &LlamaCppBins, model: &Path, ctx: usize, threads: usize) -> Result<Self> {
+    pub fn start(
+        bins: &LlamaCppBins,
+        model: &Path,
+        ctx: usize,
+        threads: usize,
+        attention: Attention,
+    ) -> Result<Self> {
         let port = TcpListener::bind("127.0.0.1:0")
             .and_then(|l| l.local_addr())
             .map_err(|e| err(format!("no free loopback port: {e}")))?
@@ -185,7 +204,7 @@ impl LlamaServer {
                 "-np",
                 "1",
             ])
-            .args(ATTENTION_FLAGS)
+            .args(attention.flags())
             .stdout(Stdio::null())
             .stderr(log_file)
             .spawn()

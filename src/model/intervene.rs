@@ -280,7 +280,11 @@ mod tests {
         // biases are indexed by absolute position, restrictions apply on top
         let mut iv = Interventions::new();
         iv.set_bias(0, 0, vec![0.0; 9].into_iter().chain([0.25, 0.5]).collect());
-        iv.restrict_keys(0, 0, KeyRestriction::Ranges(vec![9..10]));
+        iv.restrict_keys(
+            0,
+            0,
+            KeyRestriction::Ranges(std::iter::once(9..10).collect()),
+        );
         let m = iv
             .score_mask(0, 1, &span(10..11, 8..11, Some(3)))
             .unwrap()

@@ -4,10 +4,15 @@
 //! [`prompts`](super::prompts) against `llama-server`. Both engines run on the token ids
 //! of llama.cpp's own tokenizer, so the comparison is about the model; whether headwise's
 //! tokenizer gives the same ids is reported beside it.
+//!
+//! llama.cpp runs with plain f32 attention ([`Attention::F32`]), the arithmetic of the
+//! instrumented model. To show how much of a greedy divergence is the model's own
+//! sensitivity, the continuations of llama.cpp with its default attention (f16 cache,
+//! flash attention) are compared too: with the f32 run and with the instrumented model.
 
 use std::path::Path;
 
-use crate::engine::llama_cpp::{LlamaCppBins, LlamaServer};
+use crate::engine::llama_cpp::{Attention, LlamaCppBins, LlamaServer};
 use crate::engine::GreedyTrace;
 use crate::model::LoadedModel;
 use crate::parity::{divergence, greedy_trace, prompts, Divergence, GREEDY_TOKENS};
@@ -36,10 +41,16 @@ pub struct GreedyParity {
     pub same_ids: bool,
     /// The instrumented model's continuation.
     pub ours: GreedyTrace,
-    /// llama.cpp's continuation.
+    /// llama.cpp's continuation ([`Attention::F32`]).
     pub reference: GreedyTrace,
-    /// First difference, if any.
+    /// First difference of ours and `reference`, if any.
     pub divergence: Option<Divergence>,
+    /// llama.cpp's continuation with its default attention.
+    pub reference_default: GreedyTrace,
+    /// First difference of ours and `reference_default`.
+    pub divergence_default: Option<Divergence>,
+    /// First difference of `reference` and `reference_default`: llama.cpp against itself.
+    pub divergence_self: Option<Divergence>,
 }
 
 /// Everything [`run`] measured.
@@ -68,6 +79,22 @@ impl LlamaCppReport {
         self.prompts
             .iter()
             .filter(|p| p.divergence.is_none())
+            .count()
+    }
+
+    /// Prompts where ours equals llama.cpp with its default attention.
+    pub fn identical_default(&self) -> usize {
+        self.prompts
+            .iter()
+            .filter(|p| p.divergence_default.is_none())
+            .count()
+    }
+
+    /// Prompts where llama.cpp's two attention settings give the same continuation.
+    pub fn identical_self(&self) -> usize {
+        self.prompts
+            .iter()
+            .filter(|p| p.divergence_self.is_none())
             .count()
     }
 
@@ -126,7 +153,8 @@ pub fn run(
     let _ = std::fs::remove_file(&text_file);
     let ppl_reference = ppl_reference?;
 
-    let server = LlamaServer::start(bins, model_path, 4096, threads)?;
+    let server = LlamaServer::start(bins, model_path, 4096, threads, Attention::F32)?;
+    let server_default = LlamaServer::start(bins, model_path, 4096, threads, Attention::Default)?;
     let ids = server.tokenize(&text, true)?;
     let ppl_same_ids = ours.encode(&text, true).is_ok_and(|o| o == ids);
     let bos = ids[0];
@@ -137,14 +165,18 @@ pub fn run(
         let ids = server.tokenize(&text, true)?;
         let same_ids = ours.encode(&text, true).is_ok_and(|o| o == ids);
         let reference = server.greedy(&ids, GREEDY_TOKENS)?;
+        let reference_default = server_default.greedy(&ids, GREEDY_TOKENS)?;
         let mine = greedy_trace(&ours.model, &ids, GREEDY_TOKENS)?;
         let p = GreedyParity {
             name: name.to_string(),
             tokens: ids.len(),
             same_ids,
             divergence: divergence(&mine, &reference),
+            divergence_default: divergence(&mine, &reference_default),
+            divergence_self: divergence(&reference, &reference_default),
             ours: mine,
             reference,
+            reference_default,
         };
         on_prompt(&p);
         prompts_out.push(p);

@@ -19,33 +19,30 @@ pub fn real_model() -> PathBuf {
         if let Ok(p) = std::env::var("HEADWISE_MODEL") {
             return PathBuf::from(p);
         }
-        let dir = std::env::var("HEADWISE_MODELS_DIR")
-            .map(PathBuf::from)
-            .unwrap_or_else(|_| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models"));
-        headwise::model::fetch::ensure(&dir, &headwise::model::fetch::SMOLLM2)
-            .expect("fetch the SmolLM2 model")
-            .path()
-            .to_path_buf()
+        fetched(&headwise::model::fetch::SMOLLM2)
     })
     .clone()
 }
 
-/// Shape of the tiny test model: 2 layers, 6 query heads over 2 KV heads (groups of 3).
-pub fn tiny_config() -> Config {
-    Config {
-        architecture: Architecture::Llama,
-        n_layers: 2,
-        n_heads: 6,
-        n_kv_heads: 2,
-        d_model: 48,
-        d_head: 8,
-        d_ff: 64,
-        vocab_size: 97,
-        context_length: 128,
-        rms_eps: 1e-5,
-        rope_base: 10_000.0,
-        sliding_window: None,
-    }
+/// The Gemma-3-270M GGUF, fetched like [`real_model`].
+pub fn real_gemma() -> PathBuf {
+    static PATH: OnceLock<PathBuf> = OnceLock::new();
+    PATH.get_or_init(|| fetched(&headwise::model::fetch::GEMMA3_270M))
+        .clone()
+}
+
+/// `models/` or `$HEADWISE_MODELS_DIR`.
+pub fn models_dir() -> PathBuf {
+    std::env::var("HEADWISE_MODELS_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models"))
+}
+
+fn fetched(model: &headwise::model::fetch::KnownModel) -> PathBuf {
+    headwise::model::fetch::ensure(&models_dir(), model)
+        .unwrap_or_else(|e| panic!("fetch {}: {e}", model.name))
+        .path()
+        .to_path_buf()
 }
 
 /// A tiny Gemma 3: 4 layers (layer 1 and 3 global), 4 query heads over 1 KV head,
