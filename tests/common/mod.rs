@@ -45,6 +45,24 @@ fn fetched(model: &headwise::model::fetch::KnownModel) -> PathBuf {
         .to_path_buf()
 }
 
+/// Shape of the tiny test model: 2 layers, 6 query heads over 2 KV heads (groups of 3).
+pub fn tiny_config() -> Config {
+    Config {
+        architecture: Architecture::Llama,
+        n_layers: 2,
+        n_heads: 6,
+        n_kv_heads: 2,
+        d_model: 48,
+        d_head: 8,
+        d_ff: 64,
+        vocab_size: 97,
+        context_length: 128,
+        rms_eps: 1e-5,
+        rope_base: 10_000.0,
+        sliding_window: None,
+    }
+}
+
 /// A tiny Gemma 3: 4 layers (layer 1 and 3 global), 4 query heads over 1 KV head,
 /// a sliding window of 5 positions, so that windows matter in short tests.
 pub fn tiny_gemma_config() -> Config {
