@@ -8,9 +8,12 @@
 pub mod bench;
 pub mod engine;
 pub mod error;
+pub mod heads;
+pub mod metrics;
 pub mod model;
 pub mod parity;
 pub mod perplexity;
 pub mod results;
+pub mod tasks;
 
 pub use error::{Error, Result};

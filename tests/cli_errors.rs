@@ -148,3 +148,142 @@ fn unknown_model_name_for_fetch() {
     let (code, err) = headwise(&args, &[]);
     assert_clean_error(code, &err, "unknown model `gpt-9`");
 }
+
+/// `headwise heads score` on the real SmolLM2 with `args`, writing under a fresh folder;
+/// returns (exit code, stderr, the folder).
+fn score(tag: &str, args: &[&str]) -> (i32, String, PathBuf) {
+    let out = tmp(&format!("rankings-{tag}"));
+    let _ = std::fs::remove_dir_all(&out);
+    let model = common::real_model();
+    let mut all: Vec<&std::ffi::OsStr> = vec![
+        "heads".as_ref(),
+        "score".as_ref(),
+        "--model".as_ref(),
+        model.as_os_str(),
+        "--out-dir".as_ref(),
+        out.as_os_str(),
+        "--synthetic-haystack".as_ref(),
+    ];
+    all.extend(args.iter().map(std::ffi::OsStr::new));
+    let (code, err) = headwise(&all, &[]);
+    (code, err, out)
+}
+
+/// No ranking and no partial file under `dir`.
+fn nothing_written(dir: &Path) {
+    let files: Vec<PathBuf> = walk(dir);
+    assert!(files.is_empty(), "{files:?}");
+}
+
+fn walk(dir: &Path) -> Vec<PathBuf> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .flat_map(|e| {
+            let p = e.path();
+            if p.is_dir() {
+                walk(&p)
+            } else {
+                vec![p]
+            }
+        })
+        .collect()
+}
+
+#[test]
+fn scoring_rejects_lengths_beyond_the_context_and_needles_that_do_not_fit() {
+    let base = [
+        "--method", "wu", "--task", "niah", "--depths", "0.5", "--trials", "1",
+    ];
+    let (code, err, dir) = score("too-long", &[&base[..], &["--lengths", "9000"]].concat());
+    assert_clean_error(code, &err, "9000");
+    nothing_written(&dir);
+    let (code, err, dir) = score("too-short", &[&base[..], &["--lengths", "5"]].concat());
+    assert_clean_error(code, &err, "shorter than the needle and question");
+    nothing_written(&dir);
+}
+
+#[test]
+fn scoring_needs_a_haystack_folder_with_text() {
+    let out = tmp("rankings-nohay");
+    let model = common::real_model();
+    let empty = tmp("empty-data");
+    std::fs::create_dir_all(empty.join("haystack/paul_graham")).unwrap();
+    let args: Vec<&std::ffi::OsStr> = vec![
+        "heads".as_ref(),
+        "score".as_ref(),
+        "--model".as_ref(),
+        model.as_os_str(),
+        "--method".as_ref(),
+        "wu".as_ref(),
+        "--task".as_ref(),
+        "niah".as_ref(),
+        "--out-dir".as_ref(),
+        out.as_os_str(),
+        "--data-dir".as_ref(),
+        empty.as_os_str(),
+    ];
+    let (code, err) = headwise(&args, &[]);
+    assert_clean_error(code, &err, "no .txt files");
+    nothing_written(&out);
+}
+
+#[test]
+fn scoring_does_not_overwrite_a_ranking_of_another_model() {
+    let out = tmp("rankings-foreign");
+    let _ = std::fs::remove_dir_all(&out);
+    let dir = out.join("SmolLM2-135M-Instruct.Q4_1");
+    std::fs::create_dir_all(&dir).unwrap();
+    let foreign = headwise::heads::ranking::Ranking::new(
+        headwise::heads::ranking::Provenance {
+            model: "other".into(),
+            model_sha256: "00".into(),
+            method: "wu".into(),
+            task: serde_json::json!({"kind": "niah"}),
+            trials_run: 0,
+            trials_accepted: 0,
+            acceptance: Vec::new(),
+            steps: 0,
+            command: String::new(),
+        },
+        &headwise::heads::HeadMatrix::zeros(30, 9),
+        3,
+    );
+    let path = dir.join("wu-niah.json");
+    foreign.write(&path).unwrap();
+    let before = std::fs::read(&path).unwrap();
+    let model = common::real_model();
+    let args: Vec<&std::ffi::OsStr> = vec![
+        "heads".as_ref(),
+        "score".as_ref(),
+        "--model".as_ref(),
+        model.as_os_str(),
+        "--method".as_ref(),
+        "wu".as_ref(),
+        "--task".as_ref(),
+        "niah".as_ref(),
+        "--out-dir".as_ref(),
+        out.as_os_str(),
+    ];
+    let (code, err) = headwise(&args, &[]);
+    assert_clean_error(code, &err, "ranks another model");
+    assert_eq!(std::fs::read(&path).unwrap(), before);
+}
+
+#[test]
+fn unknown_methods_and_tasks_are_refused() {
+    for args in [
+        ["heads", "score", "--method", "magic", "--task", "niah"],
+        ["heads", "score", "--method", "wu", "--task", "trivia"],
+    ] {
+        let args: Vec<&std::ffi::OsStr> = args.iter().map(std::ffi::OsStr::new).collect();
+        let (code, err) = headwise(&args, &[]);
+        assert_ne!(code, 0);
+        assert!(
+            err.contains("invalid value") && !err.contains("panicked"),
+            "{err}"
+        );
+    }
+}

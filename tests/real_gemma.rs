@@ -81,11 +81,10 @@ fn parity_with_llama_cpp_when_its_binaries_are_present() {
             return;
         }
     };
-    let data = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/data");
-    if !data.join("haystack/paul_graham").is_dir() {
-        eprintln!("SKIPPED llama.cpp parity: no {}", data.display());
+    let Some(data) = common::data_dir() else {
+        eprintln!("SKIPPED llama.cpp parity: no data dir (set HEADWISE_DATA_DIR)");
         return;
-    }
+    };
     let ours = LoadedModel::load(&path, Numerics::Reference).unwrap();
     let report = headwise::parity::llama_cpp::run(&ours, &bins, &path, &data, &mut |_| {}).unwrap();
     assert!(

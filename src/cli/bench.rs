@@ -13,8 +13,19 @@ use headwise::model::{
 
 use super::ModelArgs;
 
+/// A benchmark other than engine speed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum BenchWhat {
+    /// The cost of scoring one 2k-token retrieval-head trial against a plain generation
+    /// over the same tokens.
+    Scoring,
+}
+
 #[derive(Args, Debug)]
 pub struct BenchArgs {
+    /// What to measure [default: prefill and decode speed of the engines].
+    #[arg(value_enum)]
+    what: Option<BenchWhat>,
     /// Prompt lengths in tokens.
     #[arg(long, value_delimiter = ',', default_value = "512,2048")]
     prompt_tokens: Vec<usize>,
@@ -45,6 +56,9 @@ pub struct WorkerArgs {
 }
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
+    if args.what == Some(BenchWhat::Scoring) {
+        return scoring(&args);
+    }
     if args.decode_tokens < 2 {
         anyhow::bail!(
             "--decode-tokens must be at least 2 (decode speed is measured after the first token)"
@@ -275,5 +289,73 @@ pub fn worker(args: WorkerArgs) -> anyhow::Result<()> {
         other => anyhow::bail!("unknown engine `{other}` (instrumented, mistralrs)"),
     };
     println!("{}", serde_json::to_string(&record)?);
+    Ok(())
+}
+
+/// Time `f` `n` times and return the median in seconds.
+fn median_secs(n: usize, mut f: impl FnMut() -> anyhow::Result<()>) -> anyhow::Result<f64> {
+    let mut t = Vec::with_capacity(n);
+    for _ in 0..n {
+        let start = std::time::Instant::now();
+        f()?;
+        t.push(start.elapsed().as_secs_f64());
+    }
+    t.sort_by(f64::total_cmp);
+    Ok(t[n / 2])
+}
+
+/// `headwise bench scoring`: one NIAH trial of 2,000 haystack tokens scored (observed
+/// greedy generation, Wu and LOCOS) against the same prefill and the same decode steps
+/// unobserved, medians of three runs each, in this process.
+fn scoring(args: &BenchArgs) -> anyhow::Result<()> {
+    use headwise::heads::run::Scorer;
+    use headwise::model::{KvCache, Logits};
+    use headwise::tasks::{self, Haystack, TaskKind, TaskSpec};
+    let path = args.model.resolve()?;
+    let lm = LoadedModel::load(&path, args.model.numerics_or(Numerics::Fast))?;
+    let spec = TaskSpec {
+        kind: TaskKind::Niah,
+        lengths: vec![2000],
+        depths: vec![0.5],
+        seeds: vec![0],
+    };
+    let trial = tasks::generate(
+        &spec,
+        &tasks::Encoder::from_model(&lm),
+        &Haystack::synthetic(),
+    )?
+    .remove(0);
+    let max_new = 24;
+    let scorer = Scorer::new(&lm)?;
+    let outcome = scorer.trial(&trial, max_new)?;
+    let steps = outcome.tokens;
+    let none = Interventions::new();
+    let plain = median_secs(3, || {
+        let mut cache = KvCache::new(lm.model.config(), trial.prompt.len() + max_new);
+        lm.model.forward(
+            &trial.prompt,
+            &mut cache,
+            Logits::Last,
+            &mut NoObserver,
+            &none,
+        )?;
+        for &t in &steps {
+            lm.model
+                .forward(&[t], &mut cache, Logits::Last, &mut NoObserver, &none)?;
+        }
+        Ok(())
+    })?;
+    let scored = median_secs(3, || {
+        scorer.trial(&trial, max_new)?;
+        Ok(())
+    })?;
+    println!(
+        "scoring one trial of {} prompt tokens and {} generated: {:.2} s; plain prefill + decode of the same tokens: {:.2} s; ratio {:.2}x (goal <= 1.3x)",
+        trial.prompt.len(),
+        steps.len(),
+        scored,
+        plain,
+        scored / plain
+    );
     Ok(())
 }

@@ -2,6 +2,7 @@
 
 mod bench;
 mod generate;
+mod heads;
 mod model;
 mod parity;
 
@@ -28,6 +29,9 @@ enum Command {
     Generate(generate::GenerateArgs),
     /// Compare the instrumented model with mistral.rs (llama) or llama.cpp (Gemma 3).
     Parity(parity::ParityArgs),
+    /// Score, show, compare and export retrieval-head rankings.
+    #[command(subcommand)]
+    Heads(heads::HeadsCommand),
     /// Measure prefill and decode speed and peak memory.
     Bench(bench::BenchArgs),
     /// (internal) one benchmark measurement in a fresh process.
@@ -87,6 +91,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Model(cmd) => model::run(cmd),
         Command::Generate(args) => generate::run(args),
         Command::Parity(args) => parity::run(args),
+        Command::Heads(cmd) => heads::run(cmd),
         Command::Bench(args) => bench::run(args),
         Command::BenchWorker(args) => bench::worker(args),
     }

@@ -18,6 +18,8 @@ pub struct Wants {
     pub residual: bool,
     /// The final hidden state (after the final norm, before the LM head).
     pub final_hidden: bool,
+    /// The value vectors of every position each layer attends over.
+    pub values: bool,
 }
 
 impl Wants {
@@ -28,6 +30,7 @@ impl Wants {
             head_outputs: true,
             residual: true,
             final_hidden: true,
+            values: true,
         }
     }
 
@@ -47,8 +50,12 @@ pub trait Observer: Send {
     fn wants(&self) -> Wants;
     /// A forward pass over positions `start..start + q` begins.
     fn begin(&mut self, _start: usize, _q: usize) {}
-    /// Attention probabilities of layer `layer`: `(n_heads, q, kv_len)`.
+    /// Attention probabilities of layer `layer`: `(n_heads, q, kv_len)`, column `j`
+    /// being position `j` (zero where a sliding window or restriction hides it).
     fn attention(&mut self, _layer: usize, _probs: &Tensor) {}
+    /// Value vectors of layer `layer`: `(n_kv_heads, kv_len, d_head)`, row `j` being
+    /// position `j` (zero for positions a sliding-window layer no longer keeps).
+    fn values(&mut self, _layer: usize, _values: &Tensor) {}
     /// Head outputs of layer `layer` before `W_O`: `(q, n_heads, d_head)`.
     fn head_outputs(&mut self, _layer: usize, _outputs: &Tensor) {}
     /// Residual stream after block `layer`: `(q, d_model)`.
@@ -80,6 +87,8 @@ pub struct Capture {
     pub residual: Vec<Tensor>,
     /// `(q, d_model)`; `None` unless asked for.
     pub final_hidden: Option<Tensor>,
+    /// Per layer `(n_kv_heads, kv_len, d_head)`; empty unless asked for.
+    pub values: Vec<Tensor>,
 }
 
 /// Records what it wants, one [`Capture`] per forward call (i.e. per decode step when
@@ -130,5 +139,8 @@ impl Observer for Recorder {
     }
     fn final_hidden(&mut self, hidden: &Tensor) {
         self.current().final_hidden = Some(hidden.clone());
+    }
+    fn values(&mut self, _layer: usize, values: &Tensor) {
+        self.current().values.push(values.clone());
     }
 }

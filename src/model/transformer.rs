@@ -235,8 +235,25 @@ impl Model {
     /// shape `(d_model, d_head)`, dequantized.
     pub fn head_output_projection(&self, layer: usize, head: usize) -> Result<Tensor> {
         self.check_head(layer, head)?;
-        let w = self.blocks[layer].wo.dequantized()?;
+        let w = self.output_projection(layer)?;
         Ok(w.narrow(1, head * self.cfg.d_head, self.cfg.d_head)?)
+    }
+
+    /// The whole output projection `W_O` of `layer`, `(d_model, n_heads * d_head)`,
+    /// dequantized.
+    pub fn output_projection(&self, layer: usize) -> Result<Tensor> {
+        self.check_head(layer, 0)?;
+        self.blocks[layer].wo.dequantized()
+    }
+
+    /// The unembedding (the LM head's weight), `(vocab, d_model)`, dequantized.
+    pub fn unembedding(&self) -> Result<Tensor> {
+        self.lm_head.dequantized()
+    }
+
+    /// The final RMSNorm's weight, `(d_model,)`.
+    pub fn final_norm_weight(&self) -> &Tensor {
+        &self.final_norm
     }
 
     /// The unembedding (tied: token embedding) rows, `(vocab, d_model)`.
@@ -421,8 +438,11 @@ impl Model {
         // always cuts, and so builds a mask, once keys were dropped and q_len > 1).
         debug_assert!(mask.is_some() || q_len == 1 || key_start == 0);
         let wants = observer.wants();
+        if wants.values {
+            observer.values(layer, &pad_keys(&values, key_start, 1)?);
+        }
         let observe = |observer: &mut dyn Observer, probs: &Tensor| -> Result<()> {
-            observer.attention(layer, &pad_keys(probs, key_start)?);
+            observer.attention(layer, &pad_keys(probs, key_start, 2)?);
             Ok(())
         };
         let out = match self.numerics {
@@ -457,16 +477,18 @@ impl Model {
     }
 }
 
-/// Attention probabilities over stored keys that start at absolute position `key_start`,
-/// `(n_heads, q, kv_len)`, widened with zeros to `(n_heads, q, key_start + kv_len)` so
-/// that column `j` is always position `j`.
-fn pad_keys(probs: &Tensor, key_start: usize) -> Result<Tensor> {
+/// Attention probabilities `(n_heads, q, kv_len)` (key axis 2) or values `(n_kv_heads,
+/// kv_len, d_head)` (key axis 1) over stored keys that start at absolute position
+/// `key_start`, widened with zeros along the key axis to `key_start + kv_len`, so that
+/// key index `j` is always position `j`.
+fn pad_keys(t: &Tensor, key_start: usize, axis: usize) -> Result<Tensor> {
     if key_start == 0 {
-        return Ok(probs.clone());
+        return Ok(t.clone());
     }
-    let (nh, q, _) = probs.dims3()?;
-    let zeros = Tensor::zeros((nh, q, key_start), probs.dtype(), probs.device())?;
-    Ok(Tensor::cat(&[&zeros, probs], 2)?)
+    let mut shape = t.dims().to_vec();
+    shape[axis] = key_start;
+    let zeros = Tensor::zeros(shape, t.dtype(), t.device())?;
+    Ok(Tensor::cat(&[&zeros, t], axis)?)
 }
 
 /// `(q, start + q)` additive causal mask for queries at `start..start + q`.

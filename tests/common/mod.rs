@@ -31,6 +31,15 @@ pub fn real_gemma() -> PathBuf {
         .clone()
 }
 
+/// The evaluation data: `$HEADWISE_DATA_DIR`, else `../shared/data` next to the crate;
+/// `None` when neither exists.
+pub fn data_dir() -> Option<PathBuf> {
+    let dir = std::env::var("HEADWISE_DATA_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/data"));
+    dir.is_dir().then_some(dir)
+}
+
 /// `models/` or `$HEADWISE_MODELS_DIR`.
 pub fn models_dir() -> PathBuf {
     std::env::var("HEADWISE_MODELS_DIR")

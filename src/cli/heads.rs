@@ -1,0 +1,363 @@
+//! `headwise heads score|show|compare|export`: retrieval-head rankings.
+
+use std::collections::HashSet;
+use std::io::{BufRead, Write};
+use std::path::{Path, PathBuf};
+
+use clap::{Subcommand, ValueEnum};
+use headwise::heads::ranking::{
+    check_comparable, jaccard_top_k, spearman, Acceptance, Provenance, Ranking,
+};
+use headwise::heads::run::{aggregate, Scorer, TrialOutcome};
+use headwise::model::{LoadedModel, ModelId, Numerics};
+use headwise::tasks::{self, Haystack, TaskKind, TaskSpec};
+use indicatif::{ProgressBar, ProgressStyle};
+
+use super::ModelArgs;
+
+/// Which score to write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Method {
+    Wu,
+    Locos,
+    /// Both, from the same trials.
+    All,
+}
+
+/// Which trials to run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Task {
+    Niah,
+    Nolima,
+    NolimaControl,
+}
+
+impl Task {
+    fn kind(self) -> TaskKind {
+        match self {
+            Task::Niah => TaskKind::Niah,
+            Task::Nolima => TaskKind::Nolima,
+            Task::NolimaControl => TaskKind::NolimaControl,
+        }
+    }
+    fn name(self) -> &'static str {
+        match self {
+            Task::Niah => "niah",
+            Task::Nolima => "nolima",
+            Task::NolimaControl => "nolima-control",
+        }
+    }
+}
+
+#[derive(Subcommand, Debug)]
+pub enum HeadsCommand {
+    /// Score every head on generated trials and write
+    /// <out-dir>/<model>/<method>-<task>.json with a heatmap next to it.
+    Score {
+        #[arg(long, value_enum)]
+        method: Method,
+        #[arg(long, value_enum)]
+        task: Task,
+        /// Haystack lengths in tokens.
+        #[arg(long, value_delimiter = ',', default_value = "256,512,1024,2048,4096")]
+        lengths: Vec<usize>,
+        /// Needle depths as fractions of the haystack.
+        #[arg(long, value_delimiter = ',', default_value = "0,0.25,0.5,0.75,1")]
+        depths: Vec<f64>,
+        /// Trials (seeds) per (length, depth) cell.
+        #[arg(long, default_value_t = 2)]
+        trials: u64,
+        /// First seed.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Tokens generated per trial.
+        #[arg(long, default_value_t = 24)]
+        max_new: usize,
+        /// Data folder; its haystack/paul_graham essays are the haystack.
+        #[arg(long, env = "HEADWISE_DATA_DIR", default_value = "../shared/data")]
+        data_dir: PathBuf,
+        /// Use the built-in synthetic haystack instead of the data folder.
+        #[arg(long)]
+        synthetic_haystack: bool,
+        /// Where rankings go.
+        #[arg(long, default_value = "policies/rankings")]
+        out_dir: PathBuf,
+        #[command(flatten)]
+        model: ModelArgs,
+    },
+    /// Print the top heads of a ranking file.
+    Show {
+        file: PathBuf,
+        #[arg(long, default_value_t = 20)]
+        top: usize,
+    },
+    /// Spearman rank correlation and top-K Jaccard overlap of two rankings.
+    Compare {
+        a: PathBuf,
+        b: PathBuf,
+        #[arg(long, default_value_t = 20)]
+        top: usize,
+    },
+    /// Write a ranking as a DuoAttention-style (layer x KV head) TSV matrix.
+    Export {
+        file: PathBuf,
+        #[arg(long)]
+        tsv: PathBuf,
+    },
+}
+
+pub fn run(cmd: HeadsCommand) -> anyhow::Result<()> {
+    match cmd {
+        HeadsCommand::Show { file, top } => {
+            let r = Ranking::load(&file)?;
+            println!(
+                "{} {} on {}: {} of {} trials accepted, {} steps",
+                r.method,
+                r.task.get("kind").and_then(|k| k.as_str()).unwrap_or("?"),
+                r.model,
+                r.trials_accepted,
+                r.trials_run,
+                r.steps
+            );
+            println!(
+                "| rank | layer | head | kv head | score |\n| ---: | ---: | ---: | ---: | ---: |"
+            );
+            for (i, s) in r.top(top).iter().enumerate() {
+                println!(
+                    "| {} | {} | {} | {} | {:.4} |",
+                    i + 1,
+                    s.layer,
+                    s.head,
+                    s.kv_head,
+                    s.score
+                );
+            }
+            Ok(())
+        }
+        HeadsCommand::Compare { a, b, top } => {
+            let (ra, rb) = (Ranking::load(&a)?, Ranking::load(&b)?);
+            check_comparable(&ra, &rb)?;
+            let sa: Vec<f64> = ra.heads.iter().map(|s| s.score).collect();
+            let sb: Vec<f64> = rb.heads.iter().map(|s| s.score).collect();
+            println!(
+                "Spearman {:.3}; top-{top} Jaccard {:.3}",
+                spearman(&sa, &sb),
+                jaccard_top_k(&ra, &rb, top)
+            );
+            Ok(())
+        }
+        HeadsCommand::Export { file, tsv } => {
+            let r = Ranking::load(&file)?;
+            headwise::results::write_atomic(&tsv, r.to_tsv().as_bytes())?;
+            eprintln!("wrote {}", tsv.display());
+            Ok(())
+        }
+        HeadsCommand::Score {
+            method,
+            task,
+            lengths,
+            depths,
+            trials,
+            seed,
+            max_new,
+            data_dir,
+            synthetic_haystack,
+            out_dir,
+            model,
+        } => {
+            let spec = TaskSpec {
+                kind: task.kind(),
+                lengths,
+                depths,
+                seeds: (seed..seed + trials).collect(),
+            };
+            let args = ScoreArgs {
+                method,
+                task,
+                spec,
+                max_new,
+                data_dir,
+                synthetic_haystack,
+                out_dir,
+                model,
+            };
+            score(&args)
+        }
+    }
+}
+
+struct ScoreArgs {
+    method: Method,
+    task: Task,
+    spec: TaskSpec,
+    max_new: usize,
+    data_dir: PathBuf,
+    synthetic_haystack: bool,
+    out_dir: PathBuf,
+    model: ModelArgs,
+}
+
+/// The first line of a partial-results file: what run the outcomes below belong to.
+#[derive(serde::Serialize, serde::Deserialize, PartialEq)]
+struct PartialHeader {
+    model_sha256: String,
+    spec: serde_json::Value,
+    max_new: usize,
+}
+
+fn score(args: &ScoreArgs) -> anyhow::Result<()> {
+    let path = args.model.resolve()?;
+    let id = ModelId::of_file(&path)?;
+    let dir = args.out_dir.join(&id.name);
+    let methods: &[&str] = match args.method {
+        Method::Wu => &["wu"],
+        Method::Locos => &["locos"],
+        Method::All => &["wu", "locos"],
+    };
+    let targets: Vec<PathBuf> = methods
+        .iter()
+        .map(|m| dir.join(format!("{m}-{}.json", args.task.name())))
+        .collect();
+    for t in &targets {
+        if t.exists() {
+            let old = Ranking::load(t)?;
+            if old.model_sha256 != id.sha256 {
+                anyhow::bail!(
+                    "{} ranks another model (sha256 {}), not {} ({}); move it away first",
+                    t.display(),
+                    old.model_sha256,
+                    id.name,
+                    id.sha256
+                );
+            }
+        }
+    }
+    let lm = LoadedModel::load(&path, args.model.numerics_or(Numerics::Fast))?;
+    let haystack = if args.synthetic_haystack {
+        Haystack::synthetic()
+    } else {
+        Haystack::from_dir(&args.data_dir.join("haystack/paul_graham"))?
+    };
+    let trials = tasks::generate(&args.spec, &tasks::Encoder::from_model(&lm), &haystack)?;
+    std::fs::create_dir_all(&dir)?;
+    let spec_json = serde_json::to_value(&args.spec)?;
+    let header = PartialHeader {
+        model_sha256: id.sha256.clone(),
+        spec: spec_json.clone(),
+        max_new: args.max_new,
+    };
+    let partial = dir.join(format!(".{}.partial.jsonl", args.task.name()));
+    let mut outcomes = resume(&partial, &header)?;
+    let done: HashSet<String> = outcomes.iter().map(|o| o.id.clone()).collect();
+    // Rewrite the file with what was read back, so that a line cut by an interruption
+    // does not swallow the next one.
+    let mut text = serde_json::to_string(&header)? + "\n";
+    for o in &outcomes {
+        text += &(serde_json::to_string(o)? + "\n");
+    }
+    headwise::results::write_atomic(&partial, text.as_bytes())?;
+    let mut log = std::fs::OpenOptions::new().append(true).open(&partial)?;
+    let bar = ProgressBar::new(trials.len() as u64).with_style(
+        ProgressStyle::with_template(
+            "{bar:40} {pos}/{len} trials, {elapsed} elapsed, ETA {eta} {msg}",
+        )
+        .expect("a valid template"),
+    );
+    bar.set_position(done.len() as u64);
+    let scorer = Scorer::new(&lm)?;
+    for trial in trials.iter().filter(|t| !done.contains(&t.id)) {
+        let o = scorer.trial(trial, args.max_new)?;
+        writeln!(log, "{}", serde_json::to_string(&o)?)?;
+        log.flush()?;
+        outcomes.push(o);
+        let accepted = outcomes.iter().filter(|o| o.accepted()).count();
+        bar.set_message(format!("{accepted} accepted"));
+        bar.inc(1);
+    }
+    bar.finish();
+    let cfg = lm.model.config();
+    let (wu, locos, accepted, steps) = aggregate(&outcomes, cfg.n_layers, cfg.n_heads);
+    let mut acceptance: Vec<Acceptance> = Vec::new();
+    for &len in &args.spec.lengths {
+        let at: Vec<&TrialOutcome> = outcomes
+            .iter()
+            .filter(|o| o.context_tokens == len)
+            .collect();
+        let accepted = at.iter().filter(|o| o.accepted()).count();
+        println!("{len:>6} tokens: {accepted}/{} trials accepted", at.len());
+        acceptance.push(Acceptance {
+            context_tokens: len,
+            run: at.len(),
+            accepted,
+        });
+    }
+    let command = format!(
+        "headwise {}",
+        std::env::args().skip(1).collect::<Vec<_>>().join(" ")
+    );
+    for (m, target) in methods.iter().zip(&targets) {
+        let (scores, steps) = if *m == "wu" {
+            (&wu, accepted)
+        } else {
+            (&locos, steps)
+        };
+        let r = Ranking::new(
+            Provenance {
+                model: id.name.clone(),
+                model_sha256: id.sha256.clone(),
+                method: m.to_string(),
+                task: spec_json.clone(),
+                trials_run: outcomes.len(),
+                trials_accepted: accepted,
+                acceptance: acceptance.clone(),
+                steps,
+                command: command.clone(),
+            },
+            scores,
+            cfg.n_kv_heads,
+        );
+        r.write(target)?;
+        headwise::results::write_atomic(&target.with_extension("svg"), r.heatmap_svg().as_bytes())?;
+        println!(
+            "wrote {} ({accepted} of {} trials accepted)",
+            target.display(),
+            outcomes.len()
+        );
+    }
+    std::fs::remove_file(&partial)?;
+    Ok(())
+}
+
+/// Outcomes already in `partial` for the same run; a partial file of another run is an
+/// error rather than silently mixed in.
+fn resume(partial: &Path, header: &PartialHeader) -> anyhow::Result<Vec<TrialOutcome>> {
+    let Ok(file) = std::fs::File::open(partial) else {
+        return Ok(Vec::new());
+    };
+    let mut lines = std::io::BufReader::new(file).lines();
+    let Some(first) = lines.next().transpose()? else {
+        return Ok(Vec::new());
+    };
+    let found: PartialHeader = serde_json::from_str(&first)
+        .map_err(|e| anyhow::anyhow!("{}: unreadable header ({e})", partial.display()))?;
+    if found != *header {
+        anyhow::bail!(
+            "{} holds trials of a different run (model, task spec or --max-new); remove it to start over",
+            partial.display()
+        );
+    }
+    let mut out = Vec::new();
+    for line in lines {
+        let line = line?;
+        // a line cut by an interruption is dropped and its trial redone
+        if let Ok(o) = serde_json::from_str::<TrialOutcome>(&line) {
+            out.push(o);
+        }
+    }
+    eprintln!(
+        "resuming: {} trials already done in {}",
+        out.len(),
+        partial.display()
+    );
+    Ok(out)
+}

@@ -1,0 +1,207 @@
+//! Running scoring trials: one observed greedy generation per trial feeds both scorers.
+//!
+//! The prompt is prefilled unobserved except for its last token; from then on every
+//! step is observed (attention rows and value vectors of every layer) and scored once
+//! its token is known:
+//! * [`wu`](crate::heads::wu) credits every step;
+//! * [`locos`](crate::heads::locos) scores the steps of the model's own greedy output
+//!   that produce the gold answer: the first place where the answer's tokens appear in
+//!   the output, in order (the paper's "decoding steps that produce the correct
+//!   answer"; small models often restate the question before answering, so the answer
+//!   need not come first). Teacher forcing of the gold answer is not implemented.
+//!
+//! A trial is accepted when the ROUGE-1 recall of the answer in the generated text is at
+//! least [`ACCEPT_RECALL`].
+
+use candle_core::Tensor;
+use serde::{Deserialize, Serialize};
+
+use crate::heads::{locos, wu, HeadMatrix};
+use crate::metrics::rouge1_recall;
+use crate::model::{
+    argmax, Interventions, KvCache, LoadedModel, Logits, NoObserver, Observer, Wants,
+};
+use crate::tasks::Trial;
+use crate::Result;
+
+/// ROUGE-1 recall of the answer needed to accept a trial.
+pub const ACCEPT_RECALL: f64 = 0.5;
+
+/// What one trial yielded.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TrialOutcome {
+    /// The trial's id.
+    pub id: String,
+    /// Its haystack length in tokens.
+    pub context_tokens: usize,
+    /// The greedy continuation.
+    pub generated: String,
+    /// Its token ids.
+    pub tokens: Vec<u32>,
+    /// ROUGE-1 recall of the answer in it.
+    pub recall: f64,
+    /// Wu credit summed over the steps, `(n_layers * n_heads)` row-major.
+    pub wu: Vec<f64>,
+    /// LOCOS step scores summed over the scored steps, same layout.
+    pub locos: Vec<f64>,
+    /// Steps LOCOS scored.
+    pub locos_steps: usize,
+}
+
+impl TrialOutcome {
+    /// Whether the trial counts.
+    pub fn accepted(&self) -> bool {
+        self.recall >= ACCEPT_RECALL
+    }
+}
+
+/// Holds the current step's attention rows and values, one entry per layer.
+struct StepObserver {
+    attention: Vec<Option<Tensor>>,
+    values: Vec<Option<Tensor>>,
+}
+
+impl Observer for StepObserver {
+    fn wants(&self) -> Wants {
+        Wants {
+            attention: true,
+            values: true,
+            ..Wants::default()
+        }
+    }
+    fn attention(&mut self, layer: usize, probs: &Tensor) {
+        self.attention[layer] = Some(probs.clone());
+    }
+    fn values(&mut self, layer: usize, values: &Tensor) {
+        self.values[layer] = Some(values.clone());
+    }
+}
+
+/// Per-model data LOCOS needs, computed once: every layer's `W_O` and the unembedding
+/// rows scaled by the final norm's weight.
+pub struct Scorer<'a> {
+    lm: &'a LoadedModel,
+    w_o: Vec<Tensor>,
+    unembed: Tensor,
+    gamma: Tensor,
+}
+
+impl<'a> Scorer<'a> {
+    /// Prepare scoring with `lm`.
+    pub fn new(lm: &'a LoadedModel) -> Result<Self> {
+        let n = lm.model.config().n_layers;
+        Ok(Self {
+            lm,
+            w_o: (0..n)
+                .map(|l| lm.model.output_projection(l))
+                .collect::<Result<_>>()?,
+            unembed: lm.model.unembedding()?,
+            gamma: lm.model.final_norm_weight().clone(),
+        })
+    }
+
+    /// Run one trial with up to `max_new` generated tokens.
+    pub fn trial(&self, trial: &Trial, max_new: usize) -> Result<TrialOutcome> {
+        let model = &self.lm.model;
+        let cfg = model.config();
+        let (n_layers, nh) = (cfg.n_layers, cfg.n_heads);
+        let mut wu_sum = HeadMatrix::zeros(n_layers, nh);
+        let mut locos_sum = HeadMatrix::zeros(n_layers, nh);
+        let mut locos_steps = 0;
+        let none = Interventions::new();
+        let prompt = &trial.prompt;
+        let mut cache = KvCache::new(cfg, prompt.len() + max_new);
+        if prompt.len() > 1 {
+            model.forward(
+                &prompt[..prompt.len() - 1],
+                &mut cache,
+                Logits::Last,
+                &mut NoObserver,
+                &none,
+            )?;
+        }
+        let mut sequence = prompt.clone();
+        let mut generated: Vec<u32> = Vec::new();
+        let mut input = *prompt.last().expect("prompts are never empty");
+        let mut candidates: Vec<Option<HeadMatrix>> = Vec::with_capacity(max_new);
+        for _ in 0..max_new {
+            let mut obs = StepObserver {
+                attention: vec![None; n_layers],
+                values: vec![None; n_layers],
+            };
+            let logits = model.forward(&[input], &mut cache, Logits::Last, &mut obs, &none)?;
+            let y = argmax(&logits)?;
+            // LOCOS is computed for every step that emits an answer token; which of them
+            // count is decided once the whole output is known.
+            let u = if trial.answer_tokens.contains(&y) {
+                Some((self.unembed.get(y as usize)? * &self.gamma)?)
+            } else {
+                None
+            };
+            let mut step_locos = u.as_ref().map(|_| HeadMatrix::zeros(n_layers, nh));
+            for l in 0..n_layers {
+                let (Some(probs), Some(values)) = (&obs.attention[l], &obs.values[l]) else {
+                    continue;
+                };
+                wu::add_step(&mut wu_sum, l, probs, &sequence, &trial.needle, y)?;
+                if let (Some(u), Some(m)) = (&u, step_locos.as_mut()) {
+                    let dirs = locos::head_directions(&self.w_o[l], u, nh)?;
+                    let s = locos::step_scores(probs, values, &dirs, &trial.needle)?;
+                    for (h, v) in s.into_iter().enumerate() {
+                        *m.at(l, h) += v;
+                    }
+                }
+            }
+            candidates.push(step_locos);
+            generated.push(y);
+            sequence.push(y);
+            if self.lm.special.stop.contains(&y) {
+                break;
+            }
+            input = y;
+        }
+        // The steps that produce the answer: its first complete occurrence in the output.
+        let m = trial.answer_tokens.len();
+        if let Some(at) = (0..generated.len().saturating_sub(m) + 1)
+            .find(|&i| m > 0 && generated.get(i..i + m) == Some(&trial.answer_tokens[..]))
+        {
+            for step in candidates[at..at + m].iter().flatten() {
+                locos_sum.add(step);
+                locos_steps += 1;
+            }
+        }
+        let text = self.lm.decode(&generated)?;
+        Ok(TrialOutcome {
+            id: trial.id.clone(),
+            context_tokens: trial.context_tokens,
+            recall: rouge1_recall(&trial.answer, &text),
+            generated: text,
+            tokens: generated,
+            wu: wu_sum.data,
+            locos: locos_sum.data,
+            locos_steps,
+        })
+    }
+}
+
+/// Final scores over `outcomes`: Wu = mean trial credit over accepted trials; LOCOS =
+/// mean step score over the scored steps of accepted trials. Returns `(wu, locos,
+/// accepted trials, LOCOS steps)`.
+pub fn aggregate(
+    outcomes: &[TrialOutcome],
+    n_layers: usize,
+    n_heads: usize,
+) -> (HeadMatrix, HeadMatrix, usize, usize) {
+    let mut wu = HeadMatrix::zeros(n_layers, n_heads);
+    let mut lo = HeadMatrix::zeros(n_layers, n_heads);
+    let (mut accepted, mut steps) = (0, 0);
+    for o in outcomes.iter().filter(|o| o.accepted()) {
+        accepted += 1;
+        steps += o.locos_steps;
+        wu.data.iter_mut().zip(&o.wu).for_each(|(a, b)| *a += b);
+        lo.data.iter_mut().zip(&o.locos).for_each(|(a, b)| *a += b);
+    }
+    wu.scale(1.0 / accepted.max(1) as f64);
+    lo.scale(1.0 / steps.max(1) as f64);
+    (wu, lo, accepted, steps)
+}
