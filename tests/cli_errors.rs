@@ -245,6 +245,7 @@ fn scoring_does_not_overwrite_a_ranking_of_another_model() {
             trials_run: 0,
             trials_accepted: 0,
             acceptance: Vec::new(),
+            step_source: "greedy".into(),
             steps: 0,
             command: String::new(),
         },

@@ -5,7 +5,7 @@
 mod common;
 
 use common::real_model;
-use headwise::heads::run::{Scorer, TrialOutcome};
+use headwise::heads::run::{LocosSteps, Scorer, TrialOutcome};
 use headwise::model::{LoadedModel, ModelId, Numerics};
 use headwise::tasks::{generate, Encoder, Haystack, TaskKind, TaskSpec};
 
@@ -38,7 +38,7 @@ fn a_retrieved_needle_credits_heads_under_both_scores() {
         "{:?}",
         outcomes.iter().map(|o| &o.generated).collect::<Vec<_>>()
     );
-    for o in accepted {
+    for o in &accepted {
         // the answer's 8 tokens (a space and 7 digits) were found and scored
         assert_eq!(o.locos_steps, 8, "{}", o.generated);
         assert!(
@@ -47,6 +47,18 @@ fn a_retrieved_needle_credits_heads_under_both_scores() {
         );
         assert!(o.locos.iter().any(|&s| s > 0.0));
     }
+    // Teacher forcing scores the gold answer's tokens; Wu still comes from greedy steps.
+    let teacher = Scorer::new(&lm)
+        .unwrap()
+        .with_locos_steps(LocosSteps::Teacher);
+    let trial = trials.iter().find(|t| t.id == accepted[0].id).unwrap();
+    let t = teacher.trial(trial, 24).unwrap();
+    assert_eq!(t.locos_steps, trial.answer_tokens.len());
+    assert_eq!(
+        (&t.wu, &t.generated),
+        (&accepted[0].wu, &accepted[0].generated)
+    );
+    assert!(t.locos.iter().any(|&s| s > 0.0));
 }
 
 #[test]
@@ -62,6 +74,7 @@ fn an_interrupted_run_resumes_without_redoing_finished_trials() {
         "model_sha256": id.sha256,
         "spec": serde_json::to_value(spec()).unwrap(),
         "max_new": 24,
+        "locos_steps": "greedy",
     });
     let done = TrialOutcome {
         id: "niah-L256-D50-s0".into(),

@@ -8,7 +8,7 @@ use clap::{Subcommand, ValueEnum};
 use headwise::heads::ranking::{
     check_comparable, jaccard_top_k, spearman, Acceptance, Provenance, Ranking,
 };
-use headwise::heads::run::{aggregate, Scorer, TrialOutcome};
+use headwise::heads::run::{aggregate, LocosSteps, Scorer, TrialOutcome};
 use headwise::model::{LoadedModel, ModelId, Numerics};
 use headwise::tasks::{self, Haystack, TaskKind, TaskSpec};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -22,6 +22,22 @@ pub enum Method {
     Locos,
     /// Both, from the same trials.
     All,
+}
+
+/// Which steps LOCOS scores.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Steps {
+    Greedy,
+    Teacher,
+}
+
+impl Steps {
+    fn steps(self) -> LocosSteps {
+        match self {
+            Steps::Greedy => LocosSteps::Greedy,
+            Steps::Teacher => LocosSteps::Teacher,
+        }
+    }
 }
 
 /// Which trials to run.
@@ -73,6 +89,10 @@ pub enum HeadsCommand {
         /// Tokens generated per trial.
         #[arg(long, default_value_t = 24)]
         max_new: usize,
+        /// LOCOS steps: the model's own greedy steps that produce the answer, or the
+        /// gold answer teacher-forced after the prompt (an extra pass per trial).
+        #[arg(long, value_enum, default_value_t = Steps::Greedy)]
+        locos_steps: Steps,
         /// Data folder; its haystack/paul_graham essays are the haystack.
         #[arg(long, env = "HEADWISE_DATA_DIR", default_value = "../shared/data")]
         data_dir: PathBuf,
@@ -160,6 +180,7 @@ pub fn run(cmd: HeadsCommand) -> anyhow::Result<()> {
             trials,
             seed,
             max_new,
+            locos_steps,
             data_dir,
             synthetic_haystack,
             out_dir,
@@ -176,6 +197,7 @@ pub fn run(cmd: HeadsCommand) -> anyhow::Result<()> {
                 task,
                 spec,
                 max_new,
+                locos_steps: locos_steps.steps(),
                 data_dir,
                 synthetic_haystack,
                 out_dir,
@@ -191,6 +213,7 @@ struct ScoreArgs {
     task: Task,
     spec: TaskSpec,
     max_new: usize,
+    locos_steps: LocosSteps,
     data_dir: PathBuf,
     synthetic_haystack: bool,
     out_dir: PathBuf,
@@ -203,6 +226,7 @@ struct PartialHeader {
     model_sha256: String,
     spec: serde_json::Value,
     max_new: usize,
+    locos_steps: LocosSteps,
 }
 
 fn score(args: &ScoreArgs) -> anyhow::Result<()> {
@@ -245,6 +269,7 @@ fn score(args: &ScoreArgs) -> anyhow::Result<()> {
         model_sha256: id.sha256.clone(),
         spec: spec_json.clone(),
         max_new: args.max_new,
+        locos_steps: args.locos_steps,
     };
     let partial = dir.join(format!(".{}.partial.jsonl", args.task.name()));
     let mut outcomes = resume(&partial, &header)?;
@@ -264,7 +289,7 @@ fn score(args: &ScoreArgs) -> anyhow::Result<()> {
         .expect("a valid template"),
     );
     bar.set_position(done.len() as u64);
-    let scorer = Scorer::new(&lm)?;
+    let scorer = Scorer::new(&lm)?.with_locos_steps(args.locos_steps);
     for trial in trials.iter().filter(|t| !done.contains(&t.id)) {
         let o = scorer.trial(trial, args.max_new)?;
         writeln!(log, "{}", serde_json::to_string(&o)?)?;
@@ -310,6 +335,11 @@ fn score(args: &ScoreArgs) -> anyhow::Result<()> {
                 trials_run: outcomes.len(),
                 trials_accepted: accepted,
                 acceptance: acceptance.clone(),
+                step_source: if *m == "wu" {
+                    "greedy".to_string()
+                } else {
+                    args.locos_steps.name().to_string()
+                },
                 steps,
                 command: command.clone(),
             },
@@ -342,7 +372,7 @@ fn resume(partial: &Path, header: &PartialHeader) -> anyhow::Result<Vec<TrialOut
         .map_err(|e| anyhow::anyhow!("{}: unreadable header ({e})", partial.display()))?;
     if found != *header {
         anyhow::bail!(
-            "{} holds trials of a different run (model, task spec or --max-new); remove it to start over",
+            "{} holds trials of a different run (model, task spec, --max-new or --locos-steps); remove it to start over",
             partial.display()
         );
     }

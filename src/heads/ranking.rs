@@ -55,6 +55,9 @@ pub struct Ranking {
     pub trials_accepted: usize,
     /// Per haystack length.
     pub acceptance: Vec<Acceptance>,
+    /// Which steps were scored: `greedy` (the model's own output) or `teacher` (the
+    /// gold answer teacher-forced; LOCOS only).
+    pub step_source: String,
     /// Steps averaged over (LOCOS: answer steps of accepted trials; Wu: accepted trials).
     pub steps: usize,
     pub n_layers: usize,
@@ -78,6 +81,7 @@ pub struct Provenance {
     pub trials_run: usize,
     pub trials_accepted: usize,
     pub acceptance: Vec<Acceptance>,
+    pub step_source: String,
     pub steps: usize,
     pub command: String,
 }
@@ -118,6 +122,7 @@ impl Ranking {
             trials_run: p.trials_run,
             trials_accepted: p.trials_accepted,
             acceptance: p.acceptance,
+            step_source: p.step_source,
             steps: p.steps,
             n_layers: scores.n_layers,
             n_heads: scores.n_heads,
@@ -331,6 +336,7 @@ mod tests {
                 run: 3,
                 accepted: 2,
             }],
+            step_source: "greedy".into(),
             steps: 2,
             command: "headwise heads score".into(),
         };

@@ -8,7 +8,8 @@
 //!   that produce the gold answer: the first place where the answer's tokens appear in
 //!   the output, in order (the paper's "decoding steps that produce the correct
 //!   answer"; small models often restate the question before answering, so the answer
-//!   need not come first). Teacher forcing of the gold answer is not implemented.
+//!   need not come first). [`LocosSteps::Teacher`] instead scores a second,
+//!   teacher-forced pass over the gold answer's tokens right after the prompt.
 //!
 //! A trial is accepted when the ROUGE-1 recall of the answer in the generated text is at
 //! least [`ACCEPT_RECALL`].
@@ -23,6 +24,26 @@ use crate::model::{
 };
 use crate::tasks::Trial;
 use crate::Result;
+
+/// Which decoding steps LOCOS scores.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LocosSteps {
+    /// The model's own greedy steps that produce the answer (the default).
+    Greedy,
+    /// The gold answer's tokens teacher-forced after the prompt (one extra pass).
+    Teacher,
+}
+
+impl LocosSteps {
+    /// `greedy` or `teacher`.
+    pub fn name(self) -> &'static str {
+        match self {
+            LocosSteps::Greedy => "greedy",
+            LocosSteps::Teacher => "teacher",
+        }
+    }
+}
 
 /// ROUGE-1 recall of the answer needed to accept a trial.
 pub const ACCEPT_RECALL: f64 = 0.5;
@@ -61,6 +82,15 @@ struct StepObserver {
     values: Vec<Option<Tensor>>,
 }
 
+impl StepObserver {
+    fn new(n_layers: usize) -> Self {
+        Self {
+            attention: vec![None; n_layers],
+            values: vec![None; n_layers],
+        }
+    }
+}
+
 impl Observer for StepObserver {
     fn wants(&self) -> Wants {
         Wants {
@@ -84,6 +114,7 @@ pub struct Scorer<'a> {
     w_o: Vec<Tensor>,
     unembed: Tensor,
     gamma: Tensor,
+    steps: LocosSteps,
 }
 
 impl<'a> Scorer<'a> {
@@ -97,7 +128,54 @@ impl<'a> Scorer<'a> {
                 .collect::<Result<_>>()?,
             unembed: lm.model.unembedding()?,
             gamma: lm.model.final_norm_weight().clone(),
+            steps: LocosSteps::Greedy,
         })
+    }
+
+    /// Score LOCOS on `steps` instead of the default greedy steps.
+    pub fn with_locos_steps(mut self, steps: LocosSteps) -> Self {
+        self.steps = steps;
+        self
+    }
+
+    /// LOCOS scores of one observed step that produced (or was fed) `y`.
+    fn locos_step(&self, obs: &StepObserver, y: u32, trial: &Trial) -> Result<HeadMatrix> {
+        let cfg = self.lm.model.config();
+        let mut m = HeadMatrix::zeros(cfg.n_layers, cfg.n_heads);
+        let u = (self.unembed.get(y as usize)? * &self.gamma)?;
+        for l in 0..cfg.n_layers {
+            let (Some(probs), Some(values)) = (&obs.attention[l], &obs.values[l]) else {
+                continue;
+            };
+            let dirs = locos::head_directions(&self.w_o[l], &u, cfg.n_heads)?;
+            let s = locos::step_scores(probs, values, &dirs, &trial.needle)?;
+            for (h, v) in s.into_iter().enumerate() {
+                *m.at(l, h) += v;
+            }
+        }
+        Ok(m)
+    }
+
+    /// LOCOS summed over the gold answer's tokens teacher-forced after the prompt.
+    fn teacher_locos(&self, trial: &Trial) -> Result<(HeadMatrix, usize)> {
+        let model = &self.lm.model;
+        let cfg = model.config();
+        let none = Interventions::new();
+        let prompt = &trial.prompt;
+        let mut cache = KvCache::new(cfg, prompt.len() + trial.answer_tokens.len());
+        if prompt.len() > 1 {
+            let head = &prompt[..prompt.len() - 1];
+            model.forward(head, &mut cache, Logits::Last, &mut NoObserver, &none)?;
+        }
+        let mut sum = HeadMatrix::zeros(cfg.n_layers, cfg.n_heads);
+        let mut input = *prompt.last().expect("prompts are never empty");
+        for &y in &trial.answer_tokens {
+            let mut obs = StepObserver::new(cfg.n_layers);
+            model.forward(&[input], &mut cache, Logits::Last, &mut obs, &none)?;
+            sum.add(&self.locos_step(&obs, y, trial)?);
+            input = y;
+        }
+        Ok((sum, trial.answer_tokens.len()))
     }
 
     /// Run one trial with up to `max_new` generated tokens.
@@ -125,34 +203,22 @@ impl<'a> Scorer<'a> {
         let mut input = *prompt.last().expect("prompts are never empty");
         let mut candidates: Vec<Option<HeadMatrix>> = Vec::with_capacity(max_new);
         for _ in 0..max_new {
-            let mut obs = StepObserver {
-                attention: vec![None; n_layers],
-                values: vec![None; n_layers],
-            };
+            let mut obs = StepObserver::new(n_layers);
             let logits = model.forward(&[input], &mut cache, Logits::Last, &mut obs, &none)?;
             let y = argmax(&logits)?;
-            // LOCOS is computed for every step that emits an answer token; which of them
-            // count is decided once the whole output is known.
-            let u = if trial.answer_tokens.contains(&y) {
-                Some((self.unembed.get(y as usize)? * &self.gamma)?)
-            } else {
-                None
-            };
-            let mut step_locos = u.as_ref().map(|_| HeadMatrix::zeros(n_layers, nh));
             for l in 0..n_layers {
-                let (Some(probs), Some(values)) = (&obs.attention[l], &obs.values[l]) else {
-                    continue;
-                };
-                wu::add_step(&mut wu_sum, l, probs, &sequence, &trial.needle, y)?;
-                if let (Some(u), Some(m)) = (&u, step_locos.as_mut()) {
-                    let dirs = locos::head_directions(&self.w_o[l], u, nh)?;
-                    let s = locos::step_scores(probs, values, &dirs, &trial.needle)?;
-                    for (h, v) in s.into_iter().enumerate() {
-                        *m.at(l, h) += v;
-                    }
+                if let Some(probs) = &obs.attention[l] {
+                    wu::add_step(&mut wu_sum, l, probs, &sequence, &trial.needle, y)?;
                 }
             }
-            candidates.push(step_locos);
+            // Greedy LOCOS is computed for every step that emits an answer token; which
+            // of them count is decided once the whole output is known.
+            let greedy = self.steps == LocosSteps::Greedy;
+            candidates.push(if greedy && trial.answer_tokens.contains(&y) {
+                Some(self.locos_step(&obs, y, trial)?)
+            } else {
+                None
+            });
             generated.push(y);
             sequence.push(y);
             if self.lm.special.stop.contains(&y) {
@@ -160,14 +226,21 @@ impl<'a> Scorer<'a> {
             }
             input = y;
         }
-        // The steps that produce the answer: its first complete occurrence in the output.
-        let m = trial.answer_tokens.len();
-        if let Some(at) = (0..generated.len().saturating_sub(m) + 1)
-            .find(|&i| m > 0 && generated.get(i..i + m) == Some(&trial.answer_tokens[..]))
-        {
-            for step in candidates[at..at + m].iter().flatten() {
-                locos_sum.add(step);
-                locos_steps += 1;
+        match self.steps {
+            LocosSteps::Greedy => {
+                // The steps that produce the answer: its first complete occurrence.
+                let m = trial.answer_tokens.len();
+                let found = (0..generated.len().saturating_sub(m) + 1)
+                    .find(|&i| m > 0 && generated.get(i..i + m) == Some(&trial.answer_tokens[..]));
+                if let Some(at) = found {
+                    for step in candidates[at..at + m].iter().flatten() {
+                        locos_sum.add(step);
+                        locos_steps += 1;
+                    }
+                }
+            }
+            LocosSteps::Teacher => {
+                (locos_sum, locos_steps) = self.teacher_locos(trial)?;
             }
         }
         let text = self.lm.decode(&generated)?;
