@@ -1,4 +1,7 @@
-//! Answer metrics shared by scoring and evaluation.
+//! Answer metrics shared by scoring and evaluation: ROUGE-1 recall and ROUGE-L F1 over
+//! lower-cased words, and SQuAD-style exact match and token F1 (with SQuAD's answer
+//! normalisation: lower case, punctuation and the articles a/an/the removed, whitespace
+//! collapsed), each also against a list of aliases (the best alias counts).
 
 /// Lower-cased alphanumeric words of `text`.
 pub fn words(text: &str) -> Vec<String> {
@@ -26,9 +29,139 @@ pub fn rouge1_recall(reference: &str, candidate: &str) -> f64 {
     hits as f64 / reference.len() as f64
 }
 
+/// ROUGE-L F1 (beta = 1): from the longest common subsequence of the two word lists.
+pub fn rouge_l_f1(reference: &str, candidate: &str) -> f64 {
+    let (r, c) = (words(reference), words(candidate));
+    if r.is_empty() || c.is_empty() {
+        return 0.0;
+    }
+    // LCS by dynamic programming over one row.
+    let mut row = vec![0usize; c.len() + 1];
+    for rw in &r {
+        let mut diag = 0;
+        for (j, cw) in c.iter().enumerate() {
+            let up = row[j + 1];
+            row[j + 1] = if rw == cw { diag + 1 } else { up.max(row[j]) };
+            diag = up;
+        }
+    }
+    let lcs = row[c.len()] as f64;
+    if lcs == 0.0 {
+        return 0.0;
+    }
+    let (p, rec) = (lcs / c.len() as f64, lcs / r.len() as f64);
+    2.0 * p * rec / (p + rec)
+}
+
+/// SQuAD's answer normalisation: lower case, punctuation removed, the articles a, an and
+/// the removed, whitespace collapsed.
+pub fn normalize_answer(text: &str) -> String {
+    let lower = text.to_lowercase();
+    let no_punct: String = lower
+        .chars()
+        .filter(|c| !c.is_ascii_punctuation())
+        .collect();
+    no_punct
+        .split_whitespace()
+        .filter(|w| !matches!(*w, "a" | "an" | "the"))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// SQuAD exact match: 1 if the normalised strings are equal.
+pub fn exact_match(gold: &str, prediction: &str) -> f64 {
+    f64::from(u8::from(
+        normalize_answer(gold) == normalize_answer(prediction),
+    ))
+}
+
+/// SQuAD token F1 between the normalised answers (bag of tokens); 1 when both are empty.
+pub fn token_f1(gold: &str, prediction: &str) -> f64 {
+    let g = normalize_answer(gold);
+    let p = normalize_answer(prediction);
+    let (g, mut p): (Vec<&str>, Vec<&str>) = (
+        g.split_whitespace().collect(),
+        p.split_whitespace().collect(),
+    );
+    if g.is_empty() || p.is_empty() {
+        return f64::from(u8::from(g.is_empty() && p.is_empty()));
+    }
+    let n_p = p.len();
+    let mut common = 0;
+    for w in &g {
+        if let Some(i) = p.iter().position(|x| x == w) {
+            p.swap_remove(i);
+            common += 1;
+        }
+    }
+    if common == 0 {
+        return 0.0;
+    }
+    let (precision, recall) = (common as f64 / n_p as f64, common as f64 / g.len() as f64);
+    2.0 * precision * recall / (precision + recall)
+}
+
+/// The best value of `metric(alias, prediction)` over `aliases` (0 for no alias).
+pub fn best_over_aliases(
+    aliases: &[String],
+    prediction: &str,
+    metric: impl Fn(&str, &str) -> f64,
+) -> f64 {
+    aliases
+        .iter()
+        .map(|a| metric(a, prediction))
+        .fold(0.0, f64::max)
+}
+
+/// Accuracy with aliases: 1 if some alias, normalised, occurs in the normalised
+/// prediction as a whole-word phrase.
+pub fn contains_answer(aliases: &[String], prediction: &str) -> f64 {
+    let p = format!(" {} ", normalize_answer(prediction));
+    let hit = aliases.iter().any(|a| {
+        let a = normalize_answer(a);
+        !a.is_empty() && p.contains(&format!(" {a} "))
+    });
+    f64::from(u8::from(hit))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rouge_l_on_a_hand_computed_case() {
+        // reference "the cat sat on the mat" (6), candidate "the cat lay on a mat" (6):
+        // LCS "the cat on mat" = 4 -> P = R = 4/6 -> F1 = 2/3
+        let f = rouge_l_f1("the cat sat on the mat", "the cat lay on a mat");
+        assert!((f - 2.0 / 3.0).abs() < 1e-12, "{f}");
+        // order matters: "cat on mat" and "mat on cat" share a subsequence of one word
+        let f = rouge_l_f1("cat on mat", "mat on cat");
+        assert!((f - 1.0 / 3.0).abs() < 1e-12, "{f}");
+        assert_eq!(rouge_l_f1("x", ""), 0.0);
+    }
+
+    #[test]
+    fn squad_normalisation_exact_match_and_f1() {
+        assert_eq!(normalize_answer("The  Eiffel-Tower!"), "eiffeltower");
+        assert_eq!(exact_match("the Paris", "Paris."), 1.0);
+        assert_eq!(exact_match("Paris", "Paris, France"), 0.0);
+        // gold "barack obama" vs "president barack obama": P = 2/3, R = 1 -> F1 = 0.8
+        assert!((token_f1("Barack Obama", "President Barack Obama") - 0.8).abs() < 1e-12);
+        assert_eq!(token_f1("a", "the"), 1.0); // both normalise to nothing
+        assert_eq!(token_f1("Lisbon", "Madrid"), 0.0);
+    }
+
+    #[test]
+    fn aliases_take_the_best_match() {
+        let aliases = vec!["United States".to_string(), "USA".to_string()];
+        assert_eq!(best_over_aliases(&aliases, "the USA", exact_match), 1.0);
+        assert_eq!(
+            contains_answer(&aliases, "It is in the United States."),
+            1.0
+        );
+        assert_eq!(contains_answer(&aliases, "the USAF base"), 0.0);
+        assert_eq!(best_over_aliases(&[], "x", exact_match), 0.0);
+    }
 
     #[test]
     fn rouge1_recall_on_hand_computed_cases() {
