@@ -10,27 +10,14 @@
 use crate::model::{Interventions, KvCache, Logits, Model, NoObserver};
 use crate::{Error, Result};
 
-/// The outcome of [`perplexity`].
-#[derive(Debug, Clone, PartialEq)]
-pub struct Perplexity {
-    /// Over every scored prediction.
-    pub ppl: f64,
-    /// The running value after each chunk (what `llama-perplexity` prints as `[i]x`).
-    pub running: Vec<f64>,
-    /// Predictions scored.
-    pub scored: usize,
-}
-
-/// Perplexity of `model` on the first `chunks * n_ctx` of `tokens`; `progress` is
-/// called after each chunk with the number done.
+/// Perplexity of `model` on the first `chunks * n_ctx` of `tokens`.
 pub fn perplexity(
     model: &Model,
     tokens: &[u32],
     n_ctx: usize,
     chunks: usize,
     bos: u32,
-    progress: &mut dyn FnMut(usize),
-) -> Result<Perplexity> {
+) -> Result<f64> {
     if n_ctx < 4 || chunks == 0 || tokens.len() < chunks * n_ctx {
         return Err(Error::invalid(
             "perplexity",
@@ -42,7 +29,7 @@ pub fn perplexity(
         ));
     }
     let first = n_ctx / 2;
-    let (mut nll, mut scored, mut running) = (0f64, 0usize, Vec::with_capacity(chunks));
+    let (mut nll, mut scored) = (0f64, 0usize);
     let none = Interventions::new();
     for c in 0..chunks {
         let mut chunk = tokens[c * n_ctx..(c + 1) * n_ctx].to_vec();
@@ -67,14 +54,8 @@ pub fn perplexity(
             nll -= log_softmax_at(&logits, next as usize);
             scored += 1;
         }
-        running.push((nll / scored as f64).exp());
-        progress(c + 1);
     }
-    Ok(Perplexity {
-        ppl: (nll / scored as f64).exp(),
-        running,
-        scored,
-    })
+    Ok((nll / scored as f64).exp())
 }
 
 /// `log softmax(logits)[index]` in f64.

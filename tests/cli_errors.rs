@@ -149,32 +149,34 @@ fn unknown_model_name_for_fetch() {
     assert_clean_error(code, &err, "unknown model `gpt-9`");
 }
 
-/// `headwise heads score` on the real SmolLM2 with `args`, writing under a fresh folder;
-/// returns (exit code, stderr, the folder).
-fn score(tag: &str, args: &[&str]) -> (i32, String, PathBuf) {
-    let out = tmp(&format!("rankings-{tag}"));
-    let _ = std::fs::remove_dir_all(&out);
+/// `headwise heads score --method wu --task niah` on the real SmolLM2 with `args`,
+/// writing under `out`; returns (exit code, stderr).
+fn score(out: &Path, args: &[&std::ffi::OsStr]) -> (i32, String) {
     let model = common::real_model();
     let mut all: Vec<&std::ffi::OsStr> = vec![
         "heads".as_ref(),
         "score".as_ref(),
+        "--method".as_ref(),
+        "wu".as_ref(),
+        "--task".as_ref(),
+        "niah".as_ref(),
         "--model".as_ref(),
         model.as_os_str(),
         "--out-dir".as_ref(),
         out.as_os_str(),
-        "--synthetic-haystack".as_ref(),
     ];
-    all.extend(args.iter().map(std::ffi::OsStr::new));
-    let (code, err) = headwise(&all, &[]);
-    (code, err, out)
+    all.extend_from_slice(args);
+    headwise(&all, &[])
 }
 
-/// No ranking and no partial file under `dir`.
-fn nothing_written(dir: &Path) {
-    let files: Vec<PathBuf> = walk(dir);
-    assert!(files.is_empty(), "{files:?}");
+/// A fresh, empty folder for rankings.
+fn rankings_dir(tag: &str) -> PathBuf {
+    let out = tmp(&format!("rankings-{tag}"));
+    let _ = std::fs::remove_dir_all(&out);
+    out
 }
 
+/// Every file below `dir`.
 fn walk(dir: &Path) -> Vec<PathBuf> {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return Vec::new();
@@ -194,46 +196,38 @@ fn walk(dir: &Path) -> Vec<PathBuf> {
 
 #[test]
 fn scoring_rejects_lengths_beyond_the_context_and_needles_that_do_not_fit() {
-    let base = [
-        "--method", "wu", "--task", "niah", "--depths", "0.5", "--trials", "1",
-    ];
-    let (code, err, dir) = score("too-long", &[&base[..], &["--lengths", "9000"]].concat());
-    assert_clean_error(code, &err, "9000");
-    nothing_written(&dir);
-    let (code, err, dir) = score("too-short", &[&base[..], &["--lengths", "5"]].concat());
-    assert_clean_error(code, &err, "shorter than the needle and question");
-    nothing_written(&dir);
+    for (length, needle) in [
+        ("9000", "9000"),
+        ("5", "shorter than the needle and question"),
+    ] {
+        let out = rankings_dir(&format!("len-{length}"));
+        let args = [
+            "--synthetic-haystack",
+            "--depths",
+            "0.5",
+            "--lengths",
+            length,
+        ];
+        let args: Vec<&std::ffi::OsStr> = args.iter().map(std::ffi::OsStr::new).collect();
+        let (code, err) = score(&out, &args);
+        assert_clean_error(code, &err, needle);
+        assert!(walk(&out).is_empty(), "{:?}", walk(&out));
+    }
 }
 
 #[test]
 fn scoring_needs_a_haystack_folder_with_text() {
-    let out = tmp("rankings-nohay");
-    let model = common::real_model();
+    let out = rankings_dir("nohay");
     let empty = tmp("empty-data");
     std::fs::create_dir_all(empty.join("haystack/paul_graham")).unwrap();
-    let args: Vec<&std::ffi::OsStr> = vec![
-        "heads".as_ref(),
-        "score".as_ref(),
-        "--model".as_ref(),
-        model.as_os_str(),
-        "--method".as_ref(),
-        "wu".as_ref(),
-        "--task".as_ref(),
-        "niah".as_ref(),
-        "--out-dir".as_ref(),
-        out.as_os_str(),
-        "--data-dir".as_ref(),
-        empty.as_os_str(),
-    ];
-    let (code, err) = headwise(&args, &[]);
+    let (code, err) = score(&out, &["--data-dir".as_ref(), empty.as_os_str()]);
     assert_clean_error(code, &err, "no .txt files");
-    nothing_written(&out);
+    assert!(walk(&out).is_empty(), "{:?}", walk(&out));
 }
 
 #[test]
 fn scoring_does_not_overwrite_a_ranking_of_another_model() {
-    let out = tmp("rankings-foreign");
-    let _ = std::fs::remove_dir_all(&out);
+    let out = rankings_dir("foreign");
     let dir = out.join("SmolLM2-135M-Instruct.Q4_1");
     std::fs::create_dir_all(&dir).unwrap();
     let foreign = headwise::heads::ranking::Ranking::new(
@@ -255,20 +249,7 @@ fn scoring_does_not_overwrite_a_ranking_of_another_model() {
     let path = dir.join("wu-niah.json");
     foreign.write(&path).unwrap();
     let before = std::fs::read(&path).unwrap();
-    let model = common::real_model();
-    let args: Vec<&std::ffi::OsStr> = vec![
-        "heads".as_ref(),
-        "score".as_ref(),
-        "--model".as_ref(),
-        model.as_os_str(),
-        "--method".as_ref(),
-        "wu".as_ref(),
-        "--task".as_ref(),
-        "niah".as_ref(),
-        "--out-dir".as_ref(),
-        out.as_os_str(),
-    ];
-    let (code, err) = headwise(&args, &[]);
+    let (code, err) = score(&out, &[]);
     assert_clean_error(code, &err, "ranks another model");
     assert_eq!(std::fs::read(&path).unwrap(), before);
 }

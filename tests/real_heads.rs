@@ -116,7 +116,7 @@ fn an_interrupted_run_resumes_without_redoing_finished_trials() {
     assert!(run.status.success(), "{err}");
     assert!(err.contains("resuming: 1 trials already done"), "{err}");
     let ranking = headwise::heads::ranking::Ranking::load(&dir.join("wu-niah.json")).unwrap();
-    assert_eq!(ranking.trials_run, 2);
+    assert_eq!(ranking.provenance.trials_run, 2);
     assert!(!partial.exists());
     std::fs::remove_dir_all(&out).unwrap();
 }

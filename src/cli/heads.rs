@@ -130,14 +130,15 @@ pub fn run(cmd: HeadsCommand) -> anyhow::Result<()> {
     match cmd {
         HeadsCommand::Show { file, top } => {
             let r = Ranking::load(&file)?;
+            let p = &r.provenance;
             println!(
                 "{} {} on {}: {} of {} trials accepted, {} steps",
-                r.method,
-                r.task.get("kind").and_then(|k| k.as_str()).unwrap_or("?"),
-                r.model,
-                r.trials_accepted,
-                r.trials_run,
-                r.steps
+                p.method,
+                p.task.get("kind").and_then(|k| k.as_str()).unwrap_or("?"),
+                p.model,
+                p.trials_accepted,
+                p.trials_run,
+                p.steps
             );
             println!(
                 "| rank | layer | head | kv head | score |\n| ---: | ---: | ---: | ---: | ---: |"
@@ -245,11 +246,11 @@ fn score(args: &ScoreArgs) -> anyhow::Result<()> {
     for t in &targets {
         if t.exists() {
             let old = Ranking::load(t)?;
-            if old.model_sha256 != id.sha256 {
+            if old.provenance.model_sha256 != id.sha256 {
                 anyhow::bail!(
                     "{} ranks another model (sha256 {}), not {} ({}); move it away first",
                     t.display(),
-                    old.model_sha256,
+                    old.provenance.model_sha256,
                     id.name,
                     id.sha256
                 );

@@ -40,10 +40,24 @@ pub struct Acceptance {
     pub accepted: usize,
 }
 
-/// A ranking file.
+/// A ranking file: its provenance and every head's score.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Ranking {
     pub schema_version: u32,
+    #[serde(flatten)]
+    pub provenance: Provenance,
+    pub n_layers: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    /// Every query head, in (layer, head) order.
+    pub heads: Vec<HeadScore>,
+    /// Every KV head, in (layer, kv_head) order.
+    pub kv_heads: Vec<KvHeadScore>,
+}
+
+/// Identity and provenance of a ranking, everything but the scores.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Provenance {
     /// Model file stem and the GGUF's sha256.
     pub model: String,
     pub model_sha256: String,
@@ -60,29 +74,7 @@ pub struct Ranking {
     pub step_source: String,
     /// Steps averaged over (LOCOS: answer steps of accepted trials; Wu: accepted trials).
     pub steps: usize,
-    pub n_layers: usize,
-    pub n_heads: usize,
-    pub n_kv_heads: usize,
-    /// Every query head, in (layer, head) order.
-    pub heads: Vec<HeadScore>,
-    /// Every KV head, in (layer, kv_head) order.
-    pub kv_heads: Vec<KvHeadScore>,
     /// The command line that produced the file.
-    pub command: String,
-}
-
-/// Identity and provenance of a ranking, everything but the scores.
-#[derive(Debug, Clone)]
-pub struct Provenance {
-    pub model: String,
-    pub model_sha256: String,
-    pub method: String,
-    pub task: serde_json::Value,
-    pub trials_run: usize,
-    pub trials_accepted: usize,
-    pub acceptance: Vec<Acceptance>,
-    pub step_source: String,
-    pub steps: usize,
     pub command: String,
 }
 
@@ -115,21 +107,12 @@ impl Ranking {
         }
         Self {
             schema_version: SCHEMA_VERSION,
-            model: p.model,
-            model_sha256: p.model_sha256,
-            method: p.method,
-            task: p.task,
-            trials_run: p.trials_run,
-            trials_accepted: p.trials_accepted,
-            acceptance: p.acceptance,
-            step_source: p.step_source,
-            steps: p.steps,
+            provenance: p,
             n_layers: scores.n_layers,
             n_heads: scores.n_heads,
             n_kv_heads,
             heads,
             kv_heads,
-            command: p.command,
         }
     }
 
@@ -199,7 +182,9 @@ impl Ranking {
         let mut svg = format!(
             "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"10\">\n\
              <text x=\"{left}\" y=\"16\" font-size=\"12\">{} {} scores, {} (layer x head)</text>\n",
-            self.method, self.task_name(), self.model
+            self.provenance.method,
+            self.task_name(),
+            self.provenance.model
         );
         for s in &self.heads {
             // positive scores in red, negative in blue, both scaled to the extreme
@@ -245,7 +230,8 @@ impl Ranking {
     }
 
     fn task_name(&self) -> String {
-        self.task
+        self.provenance
+            .task
             .get("kind")
             .and_then(|k| k.as_str())
             .unwrap_or("?")
@@ -307,7 +293,12 @@ pub fn check_comparable(a: &Ranking, b: &Ranking) -> Result<()> {
             "rankings",
             format!(
                 "{} is {}x{} heads, {} is {}x{}",
-                a.model, a.n_layers, a.n_heads, b.model, b.n_layers, b.n_heads
+                a.provenance.model,
+                a.n_layers,
+                a.n_heads,
+                b.provenance.model,
+                b.n_layers,
+                b.n_heads
             ),
         ));
     }

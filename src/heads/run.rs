@@ -76,17 +76,20 @@ impl TrialOutcome {
     }
 }
 
-/// Holds the current step's attention rows and values, one entry per layer.
+/// Holds the current step's attention rows and (if asked for) values, one entry per
+/// layer.
 struct StepObserver {
     attention: Vec<Option<Tensor>>,
     values: Vec<Option<Tensor>>,
+    want_values: bool,
 }
 
 impl StepObserver {
-    fn new(n_layers: usize) -> Self {
+    fn new(n_layers: usize, want_values: bool) -> Self {
         Self {
             attention: vec![None; n_layers],
             values: vec![None; n_layers],
+            want_values,
         }
     }
 }
@@ -95,7 +98,7 @@ impl Observer for StepObserver {
     fn wants(&self) -> Wants {
         Wants {
             attention: true,
-            values: true,
+            values: self.want_values,
             ..Wants::default()
         }
     }
@@ -170,7 +173,7 @@ impl<'a> Scorer<'a> {
         let mut sum = HeadMatrix::zeros(cfg.n_layers, cfg.n_heads);
         let mut input = *prompt.last().expect("prompts are never empty");
         for &y in &trial.answer_tokens {
-            let mut obs = StepObserver::new(cfg.n_layers);
+            let mut obs = StepObserver::new(cfg.n_layers, true);
             model.forward(&[input], &mut cache, Logits::Last, &mut obs, &none)?;
             sum.add(&self.locos_step(&obs, y, trial)?);
             input = y;
@@ -202,8 +205,10 @@ impl<'a> Scorer<'a> {
         let mut generated: Vec<u32> = Vec::new();
         let mut input = *prompt.last().expect("prompts are never empty");
         let mut candidates: Vec<Option<HeadMatrix>> = Vec::with_capacity(max_new);
+        // Greedy LOCOS needs the values of every step; Wu only the attention.
+        let greedy = self.steps == LocosSteps::Greedy;
         for _ in 0..max_new {
-            let mut obs = StepObserver::new(n_layers);
+            let mut obs = StepObserver::new(n_layers, greedy);
             let logits = model.forward(&[input], &mut cache, Logits::Last, &mut obs, &none)?;
             let y = argmax(&logits)?;
             for l in 0..n_layers {
@@ -213,7 +218,6 @@ impl<'a> Scorer<'a> {
             }
             // Greedy LOCOS is computed for every step that emits an answer token; which
             // of them count is decided once the whole output is known.
-            let greedy = self.steps == LocosSteps::Greedy;
             candidates.push(if greedy && trial.answer_tokens.contains(&y) {
                 Some(self.locos_step(&obs, y, trial)?)
             } else {

@@ -7,7 +7,7 @@ use tokenizers::Tokenizer;
 
 use crate::model::chat::{ChatMessage, ChatTemplate};
 use crate::model::gguf::GgufFile;
-use crate::model::tokenizer::{tokenizer_from_gguf, SpecialTokens};
+use crate::model::tokenizer::{decode_ids, encode_ids, tokenizer_from_gguf, SpecialTokens};
 use crate::model::{Config, Model, Numerics};
 use crate::{Error, Result};
 
@@ -44,18 +44,12 @@ impl LoadedModel {
 
     /// Token ids of `text`; `add_special` adds BOS where the model expects it.
     pub fn encode(&self, text: &str, add_special: bool) -> Result<Vec<u32>> {
-        let enc = self
-            .tokenizer
-            .encode(text, add_special)
-            .map_err(|e| Error::Tokenizer(e.to_string()))?;
-        Ok(enc.get_ids().to_vec())
+        encode_ids(&self.tokenizer, text, add_special)
     }
 
     /// Text of `ids`, special tokens included.
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
-        self.tokenizer
-            .decode(ids, false)
-            .map_err(|e| Error::Tokenizer(e.to_string()))
+        decode_ids(&self.tokenizer, ids)
     }
 
     /// Prompt ids of a chat rendered with the file's template (generation prompt added).

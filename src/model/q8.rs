@@ -62,6 +62,14 @@ fn quantize_into(x: &[f32], q: &mut [i8], scales: &mut [f32]) {
     }
 }
 
+/// `x` (length a multiple of [`BLOCK`]) as 8-bit blocks and their scales.
+fn quantized(x: &[f32]) -> (Vec<i8>, Vec<f32>) {
+    let mut q = vec![0i8; x.len()];
+    let mut d = vec![0f32; x.len() / BLOCK];
+    quantize_into(x, &mut q, &mut d);
+    (q, d)
+}
+
 impl Q8Matrix {
     /// Quantize a row-major f32 matrix; `None` if `cols` is not a multiple of [`BLOCK`].
     pub fn quantize(data: &[f32], rows: usize, cols: usize) -> Option<Self> {
@@ -86,10 +94,8 @@ impl Q8Matrix {
 
     /// `y = W x` for `x` of length `cols`; returns `rows` values.
     pub fn gemv(&self, x: &[f32]) -> Vec<f32> {
-        let nb = self.cols / BLOCK;
-        let mut xq = vec![0i8; self.cols];
-        let mut xd = vec![0f32; nb];
-        quantize_into(x, &mut xq, &mut xd);
+        let (xq, xd) = quantized(x);
+        let nb = xd.len();
         let kernel = Kernel::detect();
         par_rows(self.rows, |r| {
             let w = &self.quants[r * self.cols..(r + 1) * self.cols];
@@ -110,8 +116,7 @@ impl Q8Matrix {
 #[derive(Debug, Clone)]
 pub struct Q41Matrix {
     rows: usize,
-    cols: usize,
-    /// `rows * cols / 32` blocks of [`Q4_1_BLOCK_BYTES`].
+    /// `rows * cols / 32` blocks of [`Q4_1_BLOCK_BYTES`], row after row.
     blocks: Vec<u8>,
 }
 
@@ -125,11 +130,7 @@ impl Q41Matrix {
         if !cols.is_multiple_of(BLOCK) || raw.len() != rows * cols / BLOCK * Q4_1_BLOCK_BYTES {
             return None;
         }
-        Some(Self {
-            rows,
-            cols,
-            blocks: raw,
-        })
+        Some(Self { rows, blocks: raw })
     }
 
     /// Output width.
@@ -139,10 +140,7 @@ impl Q41Matrix {
 
     /// `y = W x` for `x` of length `cols`; returns `rows` values.
     pub fn gemv(&self, x: &[f32]) -> Vec<f32> {
-        let nb = self.cols / BLOCK;
-        let mut xq = vec![0i8; self.cols];
-        let mut xd = vec![0f32; nb];
-        quantize_into(x, &mut xq, &mut xd);
+        let (xq, xd) = quantized(x);
         // Per block `(d_x, d_x * sum(q_x))`: the scale of the dot product and of `m`.
         let xs: Vec<[f32; 2]> = xq
             .chunks_exact(BLOCK)
@@ -150,7 +148,7 @@ impl Q41Matrix {
             .map(|(q, &d)| [d, d * q.iter().map(|&v| v as i32).sum::<i32>() as f32])
             .collect();
         let kernel = Kernel::detect();
-        let row_bytes = nb * Q4_1_BLOCK_BYTES;
+        let row_bytes = xd.len() * Q4_1_BLOCK_BYTES;
         par_rows(self.rows, |r| {
             kernel.row_q4_1(&xq, &xs, &self.blocks[r * row_bytes..(r + 1) * row_bytes])
         })
@@ -342,9 +340,7 @@ mod tests {
         let x: Vec<f32> = data(cols, 4).iter().map(|v| v * 30.0).collect();
         let m = Q8Matrix::quantize(&w, rows, cols).unwrap();
         let nb = cols / BLOCK;
-        let mut xq = vec![0i8; cols];
-        let mut xd = vec![0f32; nb];
-        quantize_into(&x, &mut xq, &mut xd);
+        let (xq, xd) = quantized(&x);
         let kernel = Kernel::detect();
         for r in 0..rows {
             let args = (
@@ -415,9 +411,7 @@ mod tests {
         }
         assert_eq!(y.len(), m.rows());
         // The SIMD kernel computes the same sums as the portable loop.
-        let mut xq = vec![0i8; cols];
-        let mut xd = vec![0f32; nb];
-        quantize_into(&x, &mut xq, &mut xd);
+        let (xq, xd) = quantized(&x);
         let xs: Vec<[f32; 2]> = (0..nb)
             .map(|b| {
                 let sum: i32 = xq[b * BLOCK..(b + 1) * BLOCK]

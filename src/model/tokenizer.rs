@@ -205,6 +205,22 @@ const END_OF_TURN_TEXTS: &[&str] = &[
     "<|endoftext|>",
 ];
 
+/// Token ids of `text`; `add_special` adds what the tokenizer's post-processor adds
+/// (BOS where the model expects it).
+pub fn encode_ids(tokenizer: &Tokenizer, text: &str, add_special: bool) -> Result<Vec<u32>> {
+    let enc = tokenizer
+        .encode(text, add_special)
+        .map_err(|e| Error::Tokenizer(e.to_string()))?;
+    Ok(enc.get_ids().to_vec())
+}
+
+/// Text of `ids`, special tokens included.
+pub fn decode_ids(tokenizer: &Tokenizer, ids: &[u32]) -> Result<String> {
+    tokenizer
+        .decode(ids, false)
+        .map_err(|e| Error::Tokenizer(e.to_string()))
+}
+
 /// Build a [`tokenizers::Tokenizer`] from the GGUF metadata.
 ///
 /// `tokenizer.ggml.model = "gpt2"`: byte-level BPE from `tokenizer.ggml.tokens`,

@@ -60,8 +60,6 @@ pub struct LlamaCppReport {
     pub ppl_ours: f64,
     /// `llama-perplexity`'s final estimate on the same text.
     pub ppl_reference: f64,
-    /// Tokens of the perplexity text (llama.cpp's tokenizer, BOS included).
-    pub ppl_text_tokens: usize,
     /// Whether headwise's tokenizer gives the same ids on the perplexity text.
     pub ppl_same_ids: bool,
     /// One entry per prompt.
@@ -158,7 +156,7 @@ pub fn run(
     let ids = server.tokenize(&text, true)?;
     let ppl_same_ids = ours.encode(&text, true).is_ok_and(|o| o == ids);
     let bos = ids[0];
-    let ppl_ours = perplexity(&ours.model, &ids, PPL_CTX, PPL_CHUNKS, bos, &mut |_| {})?.ppl;
+    let ppl_ours = perplexity(&ours.model, &ids, PPL_CTX, PPL_CHUNKS, bos)?;
 
     let mut prompts_out = Vec::new();
     for (name, text) in prompts() {
@@ -184,7 +182,6 @@ pub fn run(
     Ok(LlamaCppReport {
         ppl_ours,
         ppl_reference,
-        ppl_text_tokens: ids.len(),
         ppl_same_ids,
         prompts: prompts_out,
     })

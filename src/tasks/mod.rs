@@ -59,7 +59,7 @@ use tokenizers::Tokenizer;
 
 pub use haystack::{Haystack, HaystackTokens, Window};
 
-use crate::model::tokenizer::SpecialTokens;
+use crate::model::tokenizer::{decode_ids, encode_ids, SpecialTokens};
 use crate::model::LoadedModel;
 use crate::{Error, Result};
 
@@ -233,18 +233,12 @@ impl<'a> Encoder<'a> {
 
     /// Ids of `text`, without special tokens.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        let enc = self
-            .tokenizer
-            .encode(text, false)
-            .map_err(|e| Error::Tokenizer(e.to_string()))?;
-        Ok(enc.get_ids().to_vec())
+        encode_ids(self.tokenizer, text, false)
     }
 
     /// Text of `ids`, special tokens included.
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
-        self.tokenizer
-            .decode(ids, false)
-            .map_err(|e| Error::Tokenizer(e.to_string()))
+        decode_ids(self.tokenizer, ids)
     }
 
     /// The BOS id every prompt starts with, if the tokenizer adds one.
