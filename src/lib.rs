@@ -8,12 +8,16 @@
 pub mod bench;
 pub mod engine;
 pub mod error;
+pub mod eval;
 pub mod heads;
 pub mod metrics;
 pub mod model;
 pub mod parity;
 pub mod perplexity;
+mod plot;
+pub mod probe;
 pub mod results;
+mod rng;
 pub mod tasks;
 
 pub use error::{Error, Result};

@@ -124,9 +124,65 @@ pub fn contains_answer(aliases: &[String], prediction: &str) -> f64 {
     f64::from(u8::from(hit))
 }
 
+/// A metric by name, as specs and result records write it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Metric {
+    /// ROUGE-L F1, best over aliases.
+    RougeL,
+    /// ROUGE-1 recall, best over aliases.
+    Rouge1Recall,
+    /// SQuAD exact match, best over aliases.
+    Em,
+    /// SQuAD token F1, best over aliases.
+    F1,
+    /// Whether some alias occurs in the prediction ([`contains_answer`]).
+    Accuracy,
+}
+
+impl Metric {
+    /// The name in specs and records: `rouge_l`, `rouge1_recall`, `em`, `f1`,
+    /// `accuracy`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Metric::RougeL => "rouge_l",
+            Metric::Rouge1Recall => "rouge1_recall",
+            Metric::Em => "em",
+            Metric::F1 => "f1",
+            Metric::Accuracy => "accuracy",
+        }
+    }
+
+    /// Score `prediction` against `aliases` (gold answer first).
+    pub fn score(self, aliases: &[String], prediction: &str) -> f64 {
+        match self {
+            Metric::RougeL => best_over_aliases(aliases, prediction, rouge_l_f1),
+            Metric::Rouge1Recall => best_over_aliases(aliases, prediction, rouge1_recall),
+            Metric::Em => best_over_aliases(aliases, prediction, exact_match),
+            Metric::F1 => best_over_aliases(aliases, prediction, token_f1),
+            Metric::Accuracy => contains_answer(aliases, prediction),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn metrics_by_name_score_against_the_best_alias() {
+        let aliases = vec!["Washington, D.C.".to_string(), "Washington".to_string()];
+        assert_eq!(Metric::Em.score(&aliases, "washington"), 1.0);
+        assert_eq!(Metric::Accuracy.score(&aliases, "It is Washington."), 1.0);
+        // "the capital" vs "Washington": no overlap
+        assert_eq!(Metric::F1.score(&aliases, "the capital"), 0.0);
+        // reference "washington", candidate "washington dc": recall 1, ROUGE-L 2/3
+        assert_eq!(Metric::Rouge1Recall.score(&aliases, "Washington DC"), 1.0);
+        let l = Metric::RougeL.score(&aliases[1..], "Washington DC");
+        assert!((l - 2.0 / 3.0).abs() < 1e-12, "{l}");
+        let json = serde_json::to_string(&Metric::Rouge1Recall).unwrap();
+        assert_eq!(json, "\"rouge1_recall\"");
+    }
 
     #[test]
     fn rouge_l_on_a_hand_computed_case() {

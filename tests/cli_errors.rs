@@ -269,3 +269,225 @@ fn unknown_methods_and_tasks_are_refused() {
         );
     }
 }
+
+/// `headwise eval run SPEC` on the real SmolLM2 for a spec whose `[[task]]` and
+/// `[[selection]]` tables are `body`, with `head` settings first; returns (exit code,
+/// stderr) and whether any record was written.
+fn eval_run(tag: &str, head: &str, body: &str) -> (i32, String, bool) {
+    let dir = tmp(&format!("eval-{tag}"));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let spec = dir.join("spec.toml");
+    std::fs::write(
+        &spec,
+        format!("name = \"bad\"\nmodel = \"smollm2-135m\"\nmetrics = [\"em\"]\n{head}\n{body}\n"),
+    )
+    .unwrap();
+    let model = common::real_model();
+    let out = dir.join("out");
+    let (code, err) = headwise(
+        &[
+            "eval".as_ref(),
+            "run".as_ref(),
+            spec.as_os_str(),
+            "--model".as_ref(),
+            model.as_os_str(),
+            "--out".as_ref(),
+            out.as_os_str(),
+        ],
+        &[],
+    );
+    let wrote = walk(&out)
+        .iter()
+        .any(|p| p.to_string_lossy().ends_with(".jsonl"));
+    (code, err, wrote)
+}
+
+const RANDOM: &str = "[[selection]]\nname = \"random\"\nrandom_seeds = [0]\n";
+
+#[test]
+fn eval_specs_with_bad_input_fail_before_any_generation() {
+    let arithmetic = "[[task]]\nname = \"control_arithmetic\"\nlimit = 2\n";
+    let cases: Vec<(&str, String, String, &str)> = vec![
+        (
+            "task",
+            "mode = \"zero-output\"\nk = [0]".into(),
+            "[[task]]\nname = \"trivia\"\n".into(),
+            "unknown task `trivia`",
+        ),
+        (
+            "data",
+            "mode = \"zero-output\"\nk = [0]\ndata_dir = \"no/such/data\"".into(),
+            "[[task]]\nname = \"musique\"\n".into(),
+            "no/such/data",
+        ),
+        (
+            "k",
+            "mode = \"zero-output\"\nk = [0, 300]".into(),
+            format!("{arithmetic}{RANDOM}"),
+            "300 is more than",
+        ),
+        (
+            "calibration",
+            "mode = \"mean-output\"\nk = [0, 5]".into(),
+            format!("{arithmetic}{RANDOM}"),
+            "needs a [calibration] task",
+        ),
+        (
+            "mode",
+            "mode = \"half-output\"\nk = [0]".into(),
+            arithmetic.into(),
+            "half-output",
+        ),
+    ];
+    for (tag, head, body, needle) in cases {
+        let (code, err, wrote) = eval_run(tag, &head, &body);
+        assert_clean_error(code, &err, needle);
+        assert!(!wrote, "{tag}: records written before the error");
+    }
+}
+
+#[test]
+fn eval_refuses_a_ranking_of_another_model() {
+    let gemma_ranking = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("policies/rankings/gemma-3-270m-q4_k_m/locos-nolima.json");
+    let body = format!(
+        "[[task]]\nname = \"control_arithmetic\"\nlimit = 2\n\
+         [[selection]]\nname = \"locos\"\nranking = \"{}\"\n",
+        gemma_ranking.display()
+    );
+    let (code, err, wrote) = eval_run("ranking", "mode = \"zero-output\"\nk = [0, 5]", &body);
+    assert_clean_error(code, &err, "not SmolLM2-135M-Instruct.Q4_1");
+    assert!(!wrote);
+}
+
+/// A synthetic trace file of `prompts` prompts x 3 steps for a model with SmolLM2's
+/// shape, recorded as SmolLM2's (its real sha256); `nan` puts a NaN in one feature.
+fn synthetic_trace(tag: &str, prompts: usize, nan: bool) -> PathBuf {
+    use headwise::heads::trace::{
+        Effective, ExampleSteps, LabelKind, Trace, TraceCard, TraceConfig, SCHEMA_VERSION,
+    };
+    let id = headwise::model::ModelId::of_file(&common::real_model()).unwrap();
+    let (n_layers, n_heads, d) = (30, 9, 576);
+    let mut t = Trace::empty(LabelKind::Binary, n_layers, n_heads, d);
+    for p in 0..prompts {
+        let mut steps = ExampleSteps::default();
+        for s in 0..3 {
+            let mut f: Vec<f32> = (0..d).map(|i| ((i * 7 + p * 3 + s) % 11) as f32).collect();
+            if nan && p == 1 && s == 2 {
+                f[5] = f32::NAN;
+            }
+            let mut l = vec![0.0; n_layers * n_heads];
+            l[(p + s) % 7] = 1.0;
+            steps.features.push(f);
+            steps.labels.push(l);
+            steps.tokens.push(1);
+        }
+        t.push(p, &steps).unwrap();
+    }
+    let card = TraceCard {
+        schema_version: SCHEMA_VERSION,
+        model: id.name,
+        model_sha256: id.sha256,
+        task: serde_json::json!({"task": "synthetic"}),
+        config: TraceConfig {
+            label_kind: LabelKind::Binary,
+            effective: Effective::default(),
+            max_new: 3,
+            teacher: false,
+        },
+        label_kind: LabelKind::Binary,
+        n_layers,
+        n_heads,
+        d_model: d,
+        prompts,
+        steps: prompts * 3,
+        label_mean: 0.0,
+        steps_with_active_head: prompts * 3,
+        examples: (0..prompts).map(|p| format!("p{p}")).collect(),
+        command: "test".into(),
+    };
+    let stem = tmp(&format!("trace-{tag}"));
+    t.save(&stem, &card).unwrap();
+    stem.with_extension("json")
+}
+
+#[test]
+fn probe_training_refuses_empty_splits_and_nan_features() {
+    let few = synthetic_trace("few", 3, false);
+    let out = tmp("probes-few");
+    let (code, err) = headwise(
+        &[
+            "policy".as_ref(),
+            "train-probe".as_ref(),
+            few.as_os_str(),
+            "--out".as_ref(),
+            out.as_os_str(),
+        ],
+        &[],
+    );
+    assert_clean_error(code, &err, "split would be empty");
+    let nan = synthetic_trace("nan", 12, true);
+    let (code, err) = headwise(
+        &[
+            "policy".as_ref(),
+            "train-probe".as_ref(),
+            nan.as_os_str(),
+            "--out".as_ref(),
+            out.as_os_str(),
+        ],
+        &[],
+    );
+    assert_clean_error(code, &err, "is NaN");
+    assert!(walk(&out).is_empty(), "nothing written on error");
+}
+
+#[test]
+fn a_trace_and_a_probe_of_another_model_are_refused() {
+    // SmolLM2's trace against Gemma's ranking
+    let trace = synthetic_trace("other", 12, false);
+    let gemma_ranking = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("policies/rankings/gemma-3-270m-q4_k_m/wu-niah.json");
+    let (code, err) = headwise(
+        &[
+            "heads".as_ref(),
+            "dynamics".as_ref(),
+            trace.as_os_str(),
+            "--static".as_ref(),
+            gemma_ranking.as_os_str(),
+            "--out".as_ref(),
+            tmp("dyn-other").as_os_str(),
+        ],
+        &[],
+    );
+    assert_clean_error(code, &err, "not SmolLM2-135M-Instruct.Q4_1");
+    // a SmolLM2 probe (576 wide) on Gemma (640 wide)
+    let out = tmp("probes-other");
+    let (code, err) = headwise(
+        &[
+            "policy".as_ref(),
+            "train-probe".as_ref(),
+            trace.as_os_str(),
+            "--out".as_ref(),
+            out.as_os_str(),
+            "--epochs".as_ref(),
+            "2".as_ref(),
+        ],
+        &[],
+    );
+    assert_eq!(code, 0, "{err}");
+    let probe = out.join("synthetic.json");
+    let gemma = common::real_gemma();
+    let (code, err) = headwise(
+        &[
+            "bench".as_ref(),
+            "probe".as_ref(),
+            "--probe".as_ref(),
+            probe.as_os_str(),
+            "--model".as_ref(),
+            gemma.as_os_str(),
+        ],
+        &[],
+    );
+    assert_clean_error(code, &err, "width 576");
+}

@@ -19,6 +19,9 @@ pub enum BenchWhat {
     /// The cost of scoring one 2k-token retrieval-head trial against a plain generation
     /// over the same tokens.
     Scoring,
+    /// The probe's time per decode step as a fraction of one decode step of the model
+    /// (needs --probe).
+    Probe,
 }
 
 #[derive(Args, Debug)]
@@ -39,6 +42,9 @@ pub struct BenchArgs {
     /// rows (see ../shared/tools/build-llama-bench.sh in the workplace).
     #[arg(long)]
     llama_bench: Option<PathBuf>,
+    /// The probe card (`bench probe`), e.g. probes/<model>/niah.json.
+    #[arg(long)]
+    probe: Option<PathBuf>,
     #[command(flatten)]
     model: ModelArgs,
 }
@@ -56,6 +62,9 @@ pub struct WorkerArgs {
 }
 
 pub fn run(args: BenchArgs) -> anyhow::Result<()> {
+    if args.what == Some(BenchWhat::Probe) {
+        return probe(&args);
+    }
     if args.what == Some(BenchWhat::Scoring) {
         return scoring(&args);
     }
@@ -356,6 +365,79 @@ fn scoring(args: &BenchArgs) -> anyhow::Result<()> {
         scored,
         plain,
         scored / plain
+    );
+    Ok(())
+}
+
+/// `headwise bench probe`: median time of one probe prediction (on the real hidden
+/// state of each step) against the median decode step of the model after a prompt of
+/// `--prompt-tokens` (first value) synthetic tokens, in this process.
+fn probe(args: &BenchArgs) -> anyhow::Result<()> {
+    use headwise::model::{KvCache, Logits, Recorder, Wants};
+    use headwise::probe::Probe;
+    let card = args
+        .probe
+        .as_ref()
+        .ok_or_else(|| anyhow::anyhow!("bench probe needs --probe CARD.json"))?;
+    let probe = Probe::load(card)?;
+    let path = args.model.resolve()?;
+    let id = headwise::model::ModelId::of_file(&path)?;
+    let lm = LoadedModel::load(&path, args.model.numerics_or(Numerics::Fast))?;
+    let cfg = lm.model.config();
+    probe.check_model(cfg.d_model, cfg.n_layers * cfg.n_heads, Some(&id.sha256))?;
+    let n = args.prompt_tokens.first().copied().unwrap_or(512);
+    let prompt = lm.encode(&headwise::bench::synthetic_notes(n, None), false)?;
+    let prompt = &prompt[..n.min(prompt.len())];
+    let none = Interventions::new();
+    let steps = args.decode_tokens.max(8);
+    let mut cache = KvCache::new(cfg, prompt.len() + steps + 1);
+    lm.model
+        .forward(prompt, &mut cache, Logits::Last, &mut NoObserver, &none)?;
+    let mut step_secs = Vec::with_capacity(steps);
+    let mut probe_secs = Vec::with_capacity(steps);
+    let mut ws = probe.workspace();
+    let mut out = vec![0f32; probe.output_dim()];
+    let mut token = prompt[prompt.len() - 1];
+    for _ in 0..steps {
+        let mut rec = Recorder::new(Wants {
+            final_hidden: true,
+            ..Wants::default()
+        });
+        let t0 = std::time::Instant::now();
+        let logits = lm
+            .model
+            .forward(&[token], &mut cache, Logits::Last, &mut rec, &none)?;
+        step_secs.push(t0.elapsed().as_secs_f64());
+        token = headwise::model::argmax(&logits)?;
+        let hidden: Vec<f32> = rec.steps[0]
+            .final_hidden
+            .as_ref()
+            .ok_or_else(|| anyhow::anyhow!("no hidden state observed"))?
+            .flatten_all()?
+            .to_vec1()?;
+        // Many repetitions per step, so the timer's resolution does not matter.
+        let reps = 200;
+        let t0 = std::time::Instant::now();
+        for _ in 0..reps {
+            probe.predict_into(&hidden, &mut ws, &mut out)?;
+        }
+        probe_secs.push(t0.elapsed().as_secs_f64() / reps as f64);
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (step, pred) = (median(&mut step_secs), median(&mut probe_secs));
+    println!(
+        "probe {} ({} -> {:?} -> {}): {:.1} us per step; model decode step at {} tokens: {:.2} ms; probe / step = {:.2}% (goal <= 3%)",
+        card.display(),
+        probe.input_dim(),
+        probe.card().architecture.hidden,
+        probe.output_dim(),
+        pred * 1e6,
+        prompt.len(),
+        step * 1e3,
+        100.0 * pred / step
     );
     Ok(())
 }

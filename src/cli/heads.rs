@@ -105,6 +105,14 @@ pub enum HeadsCommand {
         #[command(flatten)]
         model: ModelArgs,
     },
+    /// Record per-step (dynamic) retrieval-head labels with the hidden state of each
+    /// step: a trace dataset for `heads dynamics` and `policy train-probe`.
+    Trace(super::trace::TraceArgs),
+    /// Dynamism statistics of a trace against a static ranking, and CCA by lag.
+    Dynamics(super::dynamics::DynamicsArgs),
+    /// NIAH accuracy when each step's active heads (oracle labels) are silenced at that
+    /// step, against as many static or random heads; plus which heads compensate.
+    DynamicAblation(super::dynamics::DynamicAblationArgs),
     /// Print the top heads of a ranking file.
     Show {
         file: PathBuf,
@@ -128,6 +136,9 @@ pub enum HeadsCommand {
 
 pub fn run(cmd: HeadsCommand) -> anyhow::Result<()> {
     match cmd {
+        HeadsCommand::Trace(args) => super::trace::run(args),
+        HeadsCommand::Dynamics(args) => super::dynamics::run(args),
+        HeadsCommand::DynamicAblation(args) => super::dynamics::run_ablation(args),
         HeadsCommand::Show { file, top } => {
             let r = Ranking::load(&file)?;
             let p = &r.provenance;

@@ -1,10 +1,14 @@
 //! Subcommands, one file each; shared flags and model resolution here.
 
 mod bench;
+mod dynamics;
+mod eval;
 mod generate;
 mod heads;
 mod model;
 mod parity;
+mod policy;
+mod trace;
 
 use std::path::{Path, PathBuf};
 
@@ -32,6 +36,12 @@ enum Command {
     /// Score, show, compare and export retrieval-head rankings.
     #[command(subcommand)]
     Heads(heads::HeadsCommand),
+    /// Run ablation experiments from spec files and write their reports.
+    #[command(subcommand)]
+    Eval(eval::EvalCommand),
+    /// Train the probes that policies use.
+    #[command(subcommand)]
+    Policy(policy::PolicyCommand),
     /// Measure prefill and decode speed and peak memory.
     Bench(bench::BenchArgs),
     /// (internal) one benchmark measurement in a fresh process.
@@ -57,6 +67,15 @@ pub struct ModelArgs {
 }
 
 impl ModelArgs {
+    /// These args, with `model` (a known name or a path) when `--model` was not given.
+    pub fn or_model(&self, model: &str) -> Self {
+        let mut args = self.clone();
+        if args.model.is_none() {
+            args.model = Some(PathBuf::from(model));
+        }
+        args
+    }
+
     /// The chosen numerics, or `default`.
     pub fn numerics_or(&self, default: Numerics) -> Numerics {
         self.numerics.unwrap_or(default)
@@ -92,6 +111,8 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Generate(args) => generate::run(args),
         Command::Parity(args) => parity::run(args),
         Command::Heads(cmd) => heads::run(cmd),
+        Command::Eval(cmd) => eval::run(cmd),
+        Command::Policy(cmd) => policy::run(cmd),
         Command::Bench(args) => bench::run(args),
         Command::BenchWorker(args) => bench::worker(args),
     }

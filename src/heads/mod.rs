@@ -2,9 +2,13 @@
 //! contribution ([`locos`]), the trial runner that feeds both from one observed greedy
 //! generation per trial ([`run`]), and ranking files ([`ranking`]).
 
+pub mod cca;
+pub mod dynamic_ablation;
+pub mod dynamics;
 pub mod locos;
 pub mod ranking;
 pub mod run;
+pub mod trace;
 pub mod wu;
 
 /// One score per (layer, query head), row-major `(n_layers, n_heads)`.

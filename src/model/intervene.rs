@@ -2,6 +2,9 @@
 //!
 //! * the head's output before `W_O` (zeroed, or replaced by a given vector: the zero- and
 //!   mean-ablations of PAPERS.md section 6);
+//! * the head's query (replaced by a given vector before RoPE, or zeroed after it so that
+//!   attention is uniform over the visible keys: the mean-query and uniform-attention
+//!   ablations);
 //! * an additive bias on its pre-softmax attention scores, per key position;
 //! * the key positions it may attend to (sink + recent window, or explicit ranges).
 //!
@@ -23,6 +26,18 @@ pub enum OutputEdit {
     Zero,
     /// The output is this `d_head` vector at every position (`mean-output` ablation).
     Replace(Vec<f32>),
+}
+
+/// Replacement of a head's query vector.
+#[derive(Debug, Clone, PartialEq)]
+pub enum QueryEdit {
+    /// The query before RoPE (after QK-norm where the model has it) is this `d_head`
+    /// vector at every position; RoPE still rotates it to each position, so relative
+    /// positions keep their meaning (`mean-query` ablation).
+    Replace(Vec<f32>),
+    /// The query is zero after RoPE: every visible key scores 0, so the head attends
+    /// uniformly over the keys it may see (`uniform-attention` ablation).
+    Uniform,
 }
 
 /// Which key positions a head may attend to.
@@ -58,6 +73,8 @@ pub(crate) struct MaskSpan {
 pub struct HeadEdit {
     /// Replace the head's output.
     pub output: Option<OutputEdit>,
+    /// Replace the head's query.
+    pub query: Option<QueryEdit>,
     /// Added to the pre-softmax score of key position `j` (index `j`; missing = 0).
     pub bias: Option<Vec<f32>>,
     /// Restrict the visible key positions.
@@ -91,6 +108,17 @@ impl Interventions {
         self
     }
 
+    /// Replace the query of (layer, head).
+    pub fn set_query(&mut self, layer: usize, head: usize, edit: QueryEdit) -> &mut Self {
+        self.head(layer, head).query = Some(edit);
+        self
+    }
+
+    /// Whether there is no edit at all.
+    pub fn is_empty(&self) -> bool {
+        self.layers.values().all(|heads| heads.is_empty())
+    }
+
     /// Add `bias[j]` to (layer, head)'s score for key position `j`.
     pub fn set_bias(&mut self, layer: usize, head: usize, bias: Vec<f32>) -> &mut Self {
         self.head(layer, head).bias = Some(bias);
@@ -115,10 +143,26 @@ impl Interventions {
                         n_heads: cfg.n_heads,
                     });
                 }
-                if let Some(OutputEdit::Replace(v)) = &edit.output {
-                    if v.len() != cfg.d_head {
+                let replacements = [
+                    (
+                        "output replacement",
+                        edit.output.as_ref().and_then(|o| match o {
+                            OutputEdit::Replace(v) => Some(v),
+                            OutputEdit::Zero => None,
+                        }),
+                    ),
+                    (
+                        "query replacement",
+                        edit.query.as_ref().and_then(|q| match q {
+                            QueryEdit::Replace(v) => Some(v),
+                            QueryEdit::Uniform => None,
+                        }),
+                    ),
+                ];
+                for (what, v) in replacements {
+                    if let Some(v) = v.filter(|v| v.len() != cfg.d_head) {
                         return Err(Error::invalid(
-                            "output replacement",
+                            what,
                             format!(
                                 "head ({layer}, {head}): {} values, the head has {}",
                                 v.len(),
@@ -185,25 +229,73 @@ impl Interventions {
 
     /// Apply output edits of layer `layer` to `outputs`: `(q, n_heads, d_head)`.
     pub(crate) fn edit_outputs(&self, layer: usize, outputs: Tensor) -> Result<Tensor> {
+        self.edit_rows(layer, outputs, false, |e| {
+            e.output.as_ref().map(|o| match o {
+                OutputEdit::Zero => None,
+                OutputEdit::Replace(v) => Some(v.as_slice()),
+            })
+        })
+    }
+
+    /// Apply the pre-RoPE query replacements of layer `layer` to `queries`:
+    /// `(1, n_heads, q, d_head)`.
+    pub(crate) fn replace_queries(&self, layer: usize, queries: Tensor) -> Result<Tensor> {
+        self.edit_rows(layer, queries, true, |e| match &e.query {
+            Some(QueryEdit::Replace(v)) => Some(Some(v.as_slice())),
+            _ => None,
+        })
+    }
+
+    /// Zero the rotated queries of layer `layer`'s uniform-attention heads: `queries`
+    /// `(n_heads, q, d_head)`.
+    pub(crate) fn uniform_queries(&self, layer: usize, queries: Tensor) -> Result<Tensor> {
+        self.edit_rows(layer, queries, true, |e| match &e.query {
+            Some(QueryEdit::Uniform) => Some(None),
+            _ => None,
+        })
+    }
+
+    /// Overwrite the `d_head` rows of the heads that `pick` selects in a tensor whose
+    /// last two axes are `(q, n_heads, d_head)` (`head_major == false`) or
+    /// `(n_heads, q, d_head)` (`head_major == true`, after any leading unit axes):
+    /// `pick` returns `Some(None)` for zeros and `Some(Some(v))` for `v`.
+    fn edit_rows<'e>(
+        &'e self,
+        layer: usize,
+        t: Tensor,
+        head_major: bool,
+        pick: impl Fn(&'e HeadEdit) -> Option<Option<&'e [f32]>>,
+    ) -> Result<Tensor> {
         let Some(heads) = self.layers.get(&layer) else {
-            return Ok(outputs);
+            return Ok(t);
         };
-        if heads.values().all(|e| e.output.is_none()) {
-            return Ok(outputs);
+        let picked: Vec<(usize, Option<&[f32]>)> = heads
+            .iter()
+            .filter_map(|(&h, e)| pick(e).map(|v| (h, v)))
+            .collect();
+        if picked.is_empty() {
+            return Ok(t);
         }
-        let (q, n_heads, d_head) = outputs.dims3()?;
-        let mut data = outputs.flatten_all()?.to_vec1::<f32>()?;
-        for (&h, edit) in heads {
-            let Some(out) = &edit.output else { continue };
-            for t in 0..q {
-                let slot = &mut data[(t * n_heads + h) * d_head..(t * n_heads + h + 1) * d_head];
-                match out {
-                    OutputEdit::Zero => slot.fill(0.0),
-                    OutputEdit::Replace(v) => slot.copy_from_slice(v),
+        let shape = t.dims().to_vec();
+        let n = shape.len();
+        let (a, b, d_head) = (shape[n - 3], shape[n - 2], shape[n - 1]);
+        let (n_heads, q) = if head_major { (a, b) } else { (b, a) };
+        let mut data = t.flatten_all()?.to_vec1::<f32>()?;
+        for (h, v) in picked {
+            for p in 0..q {
+                let row = if head_major {
+                    h * q + p
+                } else {
+                    p * n_heads + h
+                };
+                let slot = &mut data[row * d_head..(row + 1) * d_head];
+                match v {
+                    None => slot.fill(0.0),
+                    Some(v) => slot.copy_from_slice(v),
                 }
             }
         }
-        Ok(Tensor::from_vec(data, (q, n_heads, d_head), &Device::Cpu)?)
+        Ok(Tensor::from_vec(data, shape, &Device::Cpu)?)
     }
 }
 

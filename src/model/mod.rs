@@ -21,7 +21,7 @@ pub mod transformer;
 pub use config::{Architecture, Config, LayerSpec, RopeStyle, SlidingWindow};
 pub use generate::{generate, GenerateOptions, Generation, Sampler, Sampling, StopReason};
 pub use gguf::{GgufFile, ModelId};
-pub use intervene::{HeadEdit, Interventions, KeyRestriction, OutputEdit};
+pub use intervene::{HeadEdit, Interventions, KeyRestriction, OutputEdit, QueryEdit};
 pub use kv_cache::KvCache;
 pub use linear::{Linear, Numerics};
 pub use loaded::{LoadedModel, TextStream};

@@ -20,6 +20,8 @@ pub struct Wants {
     pub final_hidden: bool,
     /// The value vectors of every position each layer attends over.
     pub values: bool,
+    /// Each head's query before RoPE.
+    pub queries: bool,
 }
 
 impl Wants {
@@ -31,6 +33,7 @@ impl Wants {
             residual: true,
             final_hidden: true,
             values: true,
+            queries: true,
         }
     }
 
@@ -56,6 +59,9 @@ pub trait Observer: Send {
     /// Value vectors of layer `layer`: `(n_kv_heads, kv_len, d_head)`, row `j` being
     /// position `j` (zero for positions a sliding-window layer no longer keeps).
     fn values(&mut self, _layer: usize, _values: &Tensor) {}
+    /// Queries of layer `layer` before RoPE (after QK-norm where the model has it):
+    /// `(q, n_heads, d_head)`.
+    fn queries(&mut self, _layer: usize, _queries: &Tensor) {}
     /// Head outputs of layer `layer` before `W_O`: `(q, n_heads, d_head)`.
     fn head_outputs(&mut self, _layer: usize, _outputs: &Tensor) {}
     /// Residual stream after block `layer`: `(q, d_model)`.
@@ -89,6 +95,8 @@ pub struct Capture {
     pub final_hidden: Option<Tensor>,
     /// Per layer `(n_kv_heads, kv_len, d_head)`; empty unless asked for.
     pub values: Vec<Tensor>,
+    /// Per layer `(q, n_heads, d_head)`, before RoPE; empty unless asked for.
+    pub queries: Vec<Tensor>,
 }
 
 /// Records what it wants, one [`Capture`] per forward call (i.e. per decode step when
@@ -133,6 +141,9 @@ impl Observer for Recorder {
     }
     fn head_outputs(&mut self, _layer: usize, outputs: &Tensor) {
         self.current().head_outputs.push(outputs.clone());
+    }
+    fn queries(&mut self, _layer: usize, queries: &Tensor) {
+        self.current().queries.push(queries.clone());
     }
     fn residual(&mut self, _layer: usize, resid: &Tensor) {
         self.current().residual.push(resid.clone());

@@ -411,7 +411,11 @@ impl Model {
             qh = candle_nn::ops::rms_norm(&qh.contiguous()?, qn, eps)?;
             kh = candle_nn::ops::rms_norm(&kh.contiguous()?, kn, eps)?;
         }
-        let qh = rope.apply(&qh, start)?.squeeze(0)?;
+        let qh = edits.replace_queries(layer, qh)?;
+        if observer.wants().queries {
+            observer.queries(layer, &qh.squeeze(0)?.transpose(0, 1)?.contiguous()?);
+        }
+        let qh = edits.uniform_queries(layer, rope.apply(&qh, start)?.squeeze(0)?)?;
         let kh = rope.apply(&kh, start)?;
         let vh = heads(qkv[2].clone(), nkv)?;
         let stored = cache.append(layer, &kh.squeeze(0)?, &vh.squeeze(0)?)?;

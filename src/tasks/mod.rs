@@ -63,6 +63,9 @@ use crate::model::tokenizer::{decode_ids, encode_ids, SpecialTokens};
 use crate::model::LoadedModel;
 use crate::{Error, Result};
 
+/// The generator of the trials, for the generators of this module.
+pub(crate) use crate::rng::SplitMix64;
+
 /// One generated trial, already tokenized with the model's tokenizer.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Trial {
@@ -386,35 +389,6 @@ fn assemble(
         answer: needle.answer.clone(),
         answer_tokens,
     })
-}
-
-/// SplitMix64 (Steele, Lea and Flood, 2014): a small generator whose output is fixed
-/// forever, so a seed means the same trial in every build.
-#[derive(Debug, Clone)]
-pub(crate) struct SplitMix64(u64);
-
-impl SplitMix64 {
-    /// A generator for `seed` in the stream named by `salt` (one salt per use, so that
-    /// the needle and the haystack start of one seed are independent draws).
-    pub(crate) fn new(seed: u64, salt: u64) -> Self {
-        let mut g = SplitMix64(salt);
-        let s = g.next_u64() ^ seed;
-        SplitMix64(s)
-    }
-
-    /// The next 64 random bits.
-    pub(crate) fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// A uniform draw from `0..n` (`n > 0`), by the multiply-shift method.
-    pub(crate) fn below(&mut self, n: usize) -> usize {
-        ((self.next_u64() as u128 * n as u128) >> 64) as usize
-    }
 }
 
 #[cfg(test)]

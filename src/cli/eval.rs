@@ -1,0 +1,108 @@
+//! `headwise eval run|report`: ablation experiments from spec files.
+
+use std::path::PathBuf;
+
+use clap::Subcommand;
+use headwise::eval::report::write_report;
+use headwise::eval::run::{RunOptions, Runner, Shard};
+use headwise::eval::spec::EvalSpec;
+use headwise::model::{LoadedModel, ModelId, Numerics};
+use indicatif::{ProgressBar, ProgressStyle};
+
+use super::ModelArgs;
+
+#[derive(Subcommand, Debug)]
+pub enum EvalCommand {
+    /// Run an experiment spec (resumes an interrupted run), then write its report.
+    Run {
+        /// The spec file (TOML), e.g. `eval/ablation-smollm2.toml`.
+        spec: PathBuf,
+        /// At most this many examples per task (the first ones).
+        #[arg(long)]
+        limit: Option<usize>,
+        /// Run only shard `i/n` of every task's examples (0-based); `eval report` merges
+        /// the shards' records.
+        #[arg(long)]
+        shard: Option<String>,
+        /// Results root: the run writes to `<out>/<model>/<spec name>/`.
+        #[arg(long, default_value = "eval/results")]
+        out: PathBuf,
+        /// Another data directory than the spec's.
+        #[arg(long, env = "HEADWISE_DATA_DIR")]
+        data_dir: Option<PathBuf>,
+        #[command(flatten)]
+        model: ModelArgs,
+    },
+    /// (Re)write `summary.json`, `README.md` and plots from a run folder's records (all
+    /// shards).
+    Report {
+        /// The run folder (`eval/results/<model>/<name>`).
+        dir: PathBuf,
+    },
+}
+
+pub fn run(cmd: EvalCommand) -> anyhow::Result<()> {
+    match cmd {
+        EvalCommand::Run {
+            spec,
+            limit,
+            shard,
+            out,
+            data_dir,
+            model,
+        } => {
+            let mut spec = EvalSpec::load(&spec)?;
+            if data_dir.is_some() {
+                spec.data_dir = data_dir;
+            }
+            let shard = shard
+                .as_deref()
+                .map(Shard::parse)
+                .transpose()?
+                .unwrap_or(Shard::ALL);
+            let model = model.or_model(&spec.model);
+            let path = model.resolve()?;
+            let id = ModelId::of_file(&path)?;
+            let lm = LoadedModel::load(&path, model.numerics_or(Numerics::Fast))?;
+            let command = std::iter::once("headwise".to_string())
+                .chain(std::env::args().skip(1))
+                .collect::<Vec<_>>()
+                .join(" ");
+            let opts = RunOptions {
+                out_dir: out.join(&id.name).join(&spec.name),
+                limit,
+                shard,
+                command,
+            };
+            let runner = Runner::prepare(spec, &lm, &id, opts)?;
+            for w in &runner.warnings {
+                eprintln!("note: {w}");
+            }
+            let bar = ProgressBar::new(runner.planned() as u64).with_style(
+                ProgressStyle::with_template(
+                    "{bar:40} {pos}/{len} answers, {elapsed} elapsed, ETA {eta} {msg}",
+                )
+                .expect("a valid template"),
+            );
+            let stats = runner.run(Some(&bar))?;
+            bar.finish_and_clear();
+            eprintln!(
+                "{} answers generated in {:.0} s, {} from an earlier run, {} skipped (controls \
+                 the unablated model got wrong)",
+                stats.generated, stats.secs, stats.resumed, stats.filtered
+            );
+            report(runner.out_dir().to_path_buf())
+        }
+        EvalCommand::Report { dir } => report(dir),
+    }
+}
+
+fn report(dir: PathBuf) -> anyhow::Result<()> {
+    let summary = write_report(&dir)?;
+    eprintln!(
+        "wrote {} summary numbers, README.md and plots to {}",
+        summary.len(),
+        dir.display()
+    );
+    Ok(())
+}

@@ -1,0 +1,175 @@
+//! `headwise heads trace`: per-step retrieval-head labels with hidden states.
+
+use std::path::PathBuf;
+
+use clap::{Args, ValueEnum};
+use headwise::eval::datasets::hotpotqa;
+use headwise::eval::Example;
+use headwise::heads::trace::{
+    record, Effective, LabelKind, Trace, TraceCard, TraceConfig, SCHEMA_VERSION,
+};
+use headwise::model::{Interventions, LoadedModel, ModelId, Numerics};
+use headwise::tasks::{self, Encoder, Haystack, TaskKind, TaskSpec};
+use indicatif::{ProgressBar, ProgressStyle};
+
+use super::ModelArgs;
+
+/// Which task to trace.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum TraceTask {
+    /// Binary labels: the head copies the generated token from the needle.
+    Niah,
+    /// Continuous labels: attention mass on the supporting sentences.
+    Hotpotqa,
+}
+
+#[derive(Args, Debug)]
+pub struct TraceArgs {
+    #[arg(long, value_enum)]
+    task: TraceTask,
+    /// NIAH haystack lengths in tokens.
+    #[arg(long, value_delimiter = ',', default_value = "256,512,1024")]
+    lengths: Vec<usize>,
+    /// NIAH needle depths.
+    #[arg(long, value_delimiter = ',', default_value = "0,0.25,0.5,0.75,1")]
+    depths: Vec<f64>,
+    /// NIAH seeds per (length, depth) cell.
+    #[arg(long, default_value_t = 2)]
+    trials: u64,
+    /// HotpotQA: the first N rows.
+    #[arg(long, default_value_t = 40)]
+    limit: usize,
+    /// Tokens generated per prompt.
+    #[arg(long, default_value_t = 16)]
+    max_new: usize,
+    /// Teacher-force the gold answer (` {answer}`) instead of generating [default for
+    /// hotpotqa, where SmolLM2 often ends its turn at once; NIAH generates].
+    #[arg(long)]
+    teacher: Option<bool>,
+    /// Continuous labels: attention-sink positions left out of the effective context.
+    #[arg(long, default_value_t = Effective::default().sink)]
+    sink: usize,
+    /// Continuous labels: most recent positions left out of the effective context.
+    #[arg(long, default_value_t = Effective::default().window)]
+    window: usize,
+    /// Data folder (essays for NIAH, HotpotQA rows).
+    #[arg(long, env = "HEADWISE_DATA_DIR", default_value = "../shared/data")]
+    data_dir: PathBuf,
+    /// Output stem: writes STEM.safetensors and STEM.json [default:
+    /// probes/<model>/traces/<task>].
+    #[arg(long)]
+    out: Option<PathBuf>,
+    #[command(flatten)]
+    model: ModelArgs,
+}
+
+pub fn run(args: TraceArgs) -> anyhow::Result<()> {
+    let path = args.model.resolve()?;
+    let id = ModelId::of_file(&path)?;
+    let lm = LoadedModel::load(&path, args.model.numerics_or(Numerics::Fast))?;
+    let enc = Encoder::from_model(&lm);
+    let (examples, task, kind) = match args.task {
+        TraceTask::Niah => {
+            let spec = TaskSpec {
+                kind: TaskKind::Niah,
+                lengths: args.lengths.clone(),
+                depths: args.depths.clone(),
+                seeds: (0..args.trials).collect(),
+            };
+            let hay = Haystack::from_dir(&args.data_dir.join("haystack/paul_graham"))?;
+            let trials = tasks::generate(&spec, &enc, &hay)?;
+            let ex: Vec<Example> = trials.iter().map(Example::from_trial).collect();
+            (ex, serde_json::to_value(&spec)?, LabelKind::Binary)
+        }
+        TraceTask::Hotpotqa => {
+            let file = args
+                .data_dir
+                .join("hotpotqa/hotpot_dev_distractor_200.jsonl");
+            let loaded = hotpotqa::load(&file, &enc, Some(args.limit))?;
+            for s in &loaded.skipped {
+                eprintln!("note: skipped {s}");
+            }
+            let task = serde_json::json!({"task": "hotpotqa", "file": file, "limit": args.limit});
+            (loaded.examples, task, LabelKind::Continuous)
+        }
+    };
+    if examples.is_empty() {
+        anyhow::bail!("no example to trace");
+    }
+    let cfg = TraceConfig {
+        label_kind: kind,
+        effective: Effective {
+            sink: args.sink,
+            window: args.window,
+        },
+        max_new: args.max_new,
+        teacher: args.teacher.unwrap_or(args.task == TraceTask::Hotpotqa),
+    };
+    let mc = lm.model.config();
+    let mut trace = Trace::empty(kind, mc.n_layers, mc.n_heads, mc.d_model);
+    let bar = ProgressBar::new(examples.len() as u64).with_style(
+        ProgressStyle::with_template(
+            "{bar:40} {pos}/{len} prompts, {elapsed} elapsed, ETA {eta} {msg}",
+        )
+        .expect("a valid template"),
+    );
+    let none = Interventions::new();
+    for (i, ex) in examples.iter().enumerate() {
+        bar.set_message(ex.id.clone());
+        let gold = if cfg.teacher {
+            Some(enc.encode(&format!(" {}", ex.answers[0]))?)
+        } else {
+            None
+        };
+        let steps = record(&lm, ex, &cfg, gold.as_deref(), &mut |_| none.clone())?;
+        trace.push(i, &steps)?;
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    let name = match args.task {
+        TraceTask::Niah => "niah",
+        TraceTask::Hotpotqa => "hotpotqa",
+    };
+    let stem = args.out.unwrap_or_else(|| {
+        PathBuf::from("probes")
+            .join(&id.name)
+            .join("traces")
+            .join(name)
+    });
+    let steps_active = trace
+        .labels
+        .rows()
+        .into_iter()
+        .filter(|r| r.iter().any(|&v| v >= 0.5))
+        .count();
+    let card = TraceCard {
+        schema_version: SCHEMA_VERSION,
+        model: id.name.clone(),
+        model_sha256: id.sha256.clone(),
+        task,
+        config: cfg,
+        label_kind: kind,
+        n_layers: mc.n_layers,
+        n_heads: mc.n_heads,
+        d_model: mc.d_model,
+        prompts: examples.len(),
+        steps: trace.len(),
+        label_mean: trace.labels.mean().unwrap_or(0.0) as f64,
+        steps_with_active_head: steps_active,
+        examples: examples.iter().map(|e| e.id.clone()).collect(),
+        command: std::iter::once("headwise".to_string())
+            .chain(std::env::args().skip(1))
+            .collect::<Vec<_>>()
+            .join(" "),
+    };
+    trace.save(&stem, &card)?;
+    eprintln!(
+        "{} prompts, {} steps ({} with an active head), label mean {:.4}: {}.json/.safetensors",
+        card.prompts,
+        card.steps,
+        steps_active,
+        card.label_mean,
+        stem.display()
+    );
+    Ok(())
+}

@@ -1,0 +1,13 @@
+//! The eval harness: tasks as [`Example`]s ([`datasets`], [`controls`] and the needle
+//! generators of [`crate::tasks`]), head ablations ([`ablation`]), experiment specs
+//! ([`spec`]), runs that resume and shard ([`run`]), and reports ([`report`]).
+
+pub mod ablation;
+pub mod controls;
+pub mod datasets;
+pub mod example;
+pub mod report;
+pub mod run;
+pub mod spec;
+
+pub use example::{Example, PromptBuilder};

@@ -1,0 +1,145 @@
+//! SVG line charts (plotters): named series of (x, y) points on one frame, with a mesh,
+//! axis descriptions and a legend. The ablation report, the CCA-by-lag plot and the
+//! long-tail plot are all drawn here.
+
+use std::ops::Range;
+
+use plotters::coord::ranged1d::{AsRangedCoord, ValueFormatter};
+use plotters::coord::Shift;
+use plotters::prelude::*;
+
+use crate::{Error, Result};
+
+/// How a series is drawn.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Mark {
+    /// A line `width` pixels wide through the points, with a filled dot of radius `dot`
+    /// on each point.
+    Line { width: u32, dot: u32 },
+    /// An open ring of radius `radius` on each point, no line.
+    Ring { radius: u32 },
+}
+
+/// One named series of `(x, y)` points; the name goes in the legend.
+#[derive(Debug, Clone)]
+pub(crate) struct Series<X> {
+    pub(crate) name: String,
+    pub(crate) points: Vec<(X, f64)>,
+    pub(crate) color: RGBAColor,
+    pub(crate) mark: Mark,
+}
+
+/// The label of the tick at an x value.
+type TickLabel<X> = fn(&X) -> String;
+
+/// Everything of a chart but its series; `X` is the type of the x values (`f64`, or
+/// `usize` for an axis of counts, which then has whole-number ticks only).
+#[derive(Debug, Clone)]
+pub(crate) struct Chart<'a, X> {
+    /// The caption above the chart.
+    pub(crate) title: &'a str,
+    /// The caption's font size.
+    pub(crate) title_size: u32,
+    pub(crate) x_label: &'a str,
+    pub(crate) y_label: &'a str,
+    pub(crate) x_range: Range<X>,
+    /// Positive when `log_y`.
+    pub(crate) y_range: Range<f64>,
+    /// A logarithmic y axis.
+    pub(crate) log_y: bool,
+    /// `Some((n, label))`: at most about `n` x ticks, labelled by `label`; `None`:
+    /// plotters' ticks and labels.
+    pub(crate) x_ticks: Option<(usize, TickLabel<X>)>,
+    /// Where the legend goes.
+    pub(crate) legend: SeriesLabelPosition,
+    /// Width and height in pixels.
+    pub(crate) size: (u32, u32),
+}
+
+/// The chart as SVG: the series drawn in order, each listed in the legend.
+///
+/// Errors: plotters' drawing errors, as [`Error::InvalidArgument`] on `plot`.
+pub(crate) fn line_chart<X>(chart: &Chart<X>, series: &[Series<X>]) -> Result<String>
+where
+    X: Copy + 'static,
+    Range<X>: AsRangedCoord<Value = X>,
+    <Range<X> as AsRangedCoord>::CoordDescType: ValueFormatter<X>,
+{
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, chart.size).into_drawing_area();
+        root.fill(&WHITE).map_err(plot_error)?;
+        let y = chart.y_range.clone();
+        if chart.log_y {
+            draw(&root, chart, y.log_scale(), series)?;
+        } else {
+            draw(&root, chart, y, series)?;
+        }
+        root.present().map_err(plot_error)?;
+    }
+    Ok(svg)
+}
+
+/// Frame, series and legend of `chart` on `root`, with the y axis `y`.
+fn draw<X, Y>(
+    root: &DrawingArea<SVGBackend, Shift>,
+    chart: &Chart<X>,
+    y: Y,
+    series: &[Series<X>],
+) -> Result<()>
+where
+    X: Copy + 'static,
+    Range<X>: AsRangedCoord<Value = X>,
+    <Range<X> as AsRangedCoord>::CoordDescType: ValueFormatter<X>,
+    Y: AsRangedCoord<Value = f64>,
+    Y::CoordDescType: ValueFormatter<f64>,
+{
+    let mut plot = ChartBuilder::on(root)
+        .caption(chart.title, ("sans-serif", chart.title_size))
+        .margin(12)
+        .x_label_area_size(36)
+        // log tick labels (0.001) are wider
+        .y_label_area_size(if chart.log_y { 56 } else { 48 })
+        .build_cartesian_2d(chart.x_range.clone(), y)
+        .map_err(plot_error)?;
+    let mut mesh = plot.configure_mesh();
+    mesh.x_desc(chart.x_label).y_desc(chart.y_label);
+    if let Some((n, label)) = &chart.x_ticks {
+        mesh.x_labels(*n).x_label_formatter(label);
+    }
+    mesh.draw().map_err(plot_error)?;
+    for s in series {
+        let color = s.color;
+        let points = s.points.iter().copied();
+        match s.mark {
+            Mark::Line { width, dot } => {
+                plot.draw_series(LineSeries::new(points.clone(), color.stroke_width(width)))
+                    .map_err(plot_error)?
+                    .label(s.name.as_str())
+                    .legend(move |(x, y)| {
+                        PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(2))
+                    });
+                plot.draw_series(points.map(|p| Circle::new(p, dot, color.filled())))
+                    .map_err(plot_error)?;
+            }
+            Mark::Ring { radius } => {
+                plot.draw_series(points.map(|p| Circle::new(p, radius, color.stroke_width(2))))
+                    .map_err(plot_error)?
+                    .label(s.name.as_str())
+                    .legend(move |(x, y)| Circle::new((x + 8, y), radius, color.stroke_width(2)));
+            }
+        }
+    }
+    plot.configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .position(chart.legend.clone())
+        .draw()
+        .map_err(plot_error)?;
+    Ok(())
+}
+
+/// A plotters error as this crate's.
+fn plot_error(e: impl std::fmt::Display) -> Error {
+    Error::invalid("plot", e.to_string())
+}

@@ -1,0 +1,150 @@
+//! The eval runner on the real model: an interrupted and resumed run summarises exactly
+//! like an uninterrupted one, shards merge to the same summary, and a folder holding a
+//! run of another spec is refused.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use headwise::eval::report::write_report;
+use headwise::eval::run::{read_all_records, RunOptions, Runner, Shard, BASELINE};
+use headwise::eval::spec::EvalSpec;
+use headwise::model::{LoadedModel, ModelId, Numerics};
+
+fn spec() -> EvalSpec {
+    let ranking = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("policies/rankings/SmolLM2-135M-Instruct.Q4_1/locos-niah.json");
+    let text = format!(
+        r#"
+name = "resume-test"
+model = "smollm2-135m"
+mode = "mean-output"
+k = [0, 3]
+metrics = ["em", "accuracy"]
+max_new = 6
+
+[calibration]
+name = "control_city"
+limit = 3
+
+[[task]]
+name = "control_arithmetic"
+limit = 5
+
+[[selection]]
+name = "locos-niah"
+ranking = "{}"
+
+[[selection]]
+name = "random"
+random_seeds = [0, 1]
+"#,
+        ranking.display()
+    );
+    let dir = scratch("spec");
+    let path = dir.join("spec.toml");
+    std::fs::write(&path, text).unwrap();
+    EvalSpec::load(&path).unwrap()
+}
+
+fn scratch(tag: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("headwise-eval-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn run(lm: &LoadedModel, id: &ModelId, dir: &Path, shard: Shard) -> usize {
+    let opts = RunOptions {
+        out_dir: dir.to_path_buf(),
+        limit: None,
+        shard,
+        command: "test".into(),
+    };
+    let runner = Runner::prepare(spec(), lm, id, opts).unwrap();
+    runner.run(None).unwrap().generated
+}
+
+fn summary(dir: &Path) -> String {
+    write_report(dir).unwrap();
+    std::fs::read_to_string(dir.join("summary.json")).unwrap()
+}
+
+#[test]
+fn resumed_and_sharded_runs_summarise_like_an_uninterrupted_one() {
+    let path = common::real_model();
+    let id = ModelId::of_file(&path).unwrap();
+    let lm = LoadedModel::load(&path, Numerics::Fast).unwrap();
+
+    let whole = scratch("whole");
+    let generated = run(&lm, &id, &whole, Shard::ALL);
+    assert!(generated >= 5, "at least the baselines: {generated}");
+    let want = summary(&whole);
+    assert!(want.contains("\"kept_fraction\""), "{want}");
+
+    // Interrupt: keep two whole lines and half of the third, then resume.
+    let cut = scratch("cut");
+    std::fs::copy(whole.join("run.json"), cut.join("run.json")).unwrap();
+    std::fs::copy(whole.join("calibration.json"), cut.join("calibration.json")).unwrap();
+    let text = std::fs::read_to_string(whole.join("records.jsonl")).unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    let partial = format!(
+        "{}\n{}\n{}",
+        lines[0],
+        lines[1],
+        &lines[2][..lines[2].len() / 2]
+    );
+    std::fs::write(cut.join("records.jsonl"), partial).unwrap();
+    let again = run(&lm, &id, &cut, Shard::ALL);
+    assert_eq!(
+        again,
+        generated - 2,
+        "only the missing answers are generated"
+    );
+    assert_eq!(summary(&cut), want);
+    // Running a complete folder again generates nothing.
+    assert_eq!(run(&lm, &id, &cut, Shard::ALL), 0);
+
+    // Two shards into one folder merge to the same summary.
+    let sharded = scratch("shards");
+    let a = run(&lm, &id, &sharded, Shard::parse("0/2").unwrap());
+    let b = run(&lm, &id, &sharded, Shard::parse("1/2").unwrap());
+    assert_eq!(a + b, generated);
+    assert_eq!(summary(&sharded), want);
+
+    // One unablated baseline per example.
+    let records = read_all_records(&whole).unwrap();
+    let base: Vec<_> = records.iter().filter(|r| r.selection == BASELINE).collect();
+    assert_eq!(base.len(), 5);
+    for d in [whole, cut, sharded] {
+        std::fs::remove_dir_all(d).unwrap();
+    }
+}
+
+#[test]
+fn a_changed_spec_does_not_mix_into_an_old_run() {
+    let path = common::real_model();
+    let id = ModelId::of_file(&path).unwrap();
+    let lm = LoadedModel::load(&path, Numerics::Fast).unwrap();
+    let dir = scratch("changed");
+    let mut s = spec();
+    s.tasks[0].limit = Some(1);
+    s.k = vec![0];
+    let opts = |dir: &Path| RunOptions {
+        out_dir: dir.to_path_buf(),
+        limit: None,
+        shard: Shard::ALL,
+        command: "test".into(),
+    };
+    Runner::prepare(s.clone(), &lm, &id, opts(&dir))
+        .unwrap()
+        .run(None)
+        .unwrap();
+    s.max_new = 3;
+    let err = Runner::prepare(s, &lm, &id, opts(&dir))
+        .err()
+        .expect("a different spec is refused")
+        .to_string();
+    assert!(err.contains("holds a run of another spec"), "{err}");
+    std::fs::remove_dir_all(dir).unwrap();
+}
