@@ -80,6 +80,19 @@ impl Error {
         }
     }
 
+    /// [`Error::BadHead`] unless (layer, head) exists in a model of `n_layers x n_heads`.
+    pub fn check_head(layer: usize, head: usize, n_layers: usize, n_heads: usize) -> Result<()> {
+        if layer >= n_layers || head >= n_heads {
+            return Err(Error::BadHead {
+                layer,
+                head,
+                n_layers,
+                n_heads,
+            });
+        }
+        Ok(())
+    }
+
     /// An [`Error::InvalidArgument`].
     pub fn invalid(name: impl Into<String>, reason: impl Into<String>) -> Self {
         Error::InvalidArgument {

@@ -2,7 +2,6 @@
 //! (the four modes of PAPERS.md section 6), with the calibration means two of the modes
 //! need.
 
-use std::collections::BTreeSet;
 use std::path::Path;
 
 use candle_core::Tensor;
@@ -138,12 +137,6 @@ impl HeadSet {
         }
         Ok(edits)
     }
-
-    /// Heads in both sets.
-    pub fn overlap(&self, other: &HeadSet) -> usize {
-        let a: BTreeSet<_> = self.0.iter().collect();
-        other.0.iter().filter(|h| a.contains(h)).count()
-    }
 }
 
 /// Per-head means of the output (before `W_O`) and of the pre-RoPE query over every
@@ -267,14 +260,7 @@ impl Calibration {
     }
 
     fn slot(&self, v: &[f32], layer: usize, head: usize) -> Result<Vec<f32>> {
-        if layer >= self.n_layers || head >= self.n_heads {
-            return Err(Error::BadHead {
-                layer,
-                head,
-                n_layers: self.n_layers,
-                n_heads: self.n_heads,
-            });
-        }
+        Error::check_head(layer, head, self.n_layers, self.n_heads)?;
         let at = (layer * self.n_heads + head) * self.d_head;
         Ok(v[at..at + self.d_head].to_vec())
     }
@@ -340,7 +326,7 @@ mod tests {
     fn random_sets_are_fixed_by_seed_distinct_and_nested() {
         let a = HeadSet::random(30, 9, 50, 1).unwrap();
         assert_eq!(a, HeadSet::random(30, 9, 50, 1).unwrap());
-        let distinct: BTreeSet<_> = a.0.iter().collect();
+        let distinct: std::collections::BTreeSet<_> = a.0.iter().collect();
         assert_eq!(distinct.len(), 50);
         assert!(a.0.iter().all(|&(l, h)| l < 30 && h < 9));
         let small = HeadSet::random(30, 9, 10, 1).unwrap();

@@ -72,16 +72,6 @@ impl<'a> PromptBuilder<'a> {
         start..self.ids.len()
     }
 
-    /// Tokens so far.
-    pub fn len(&self) -> usize {
-        self.ids.len()
-    }
-
-    /// Whether nothing (not even BOS) is in the prompt yet.
-    pub fn is_empty(&self) -> bool {
-        self.ids.is_empty()
-    }
-
     /// The finished prompt ids.
     pub fn finish(self) -> Vec<u32> {
         self.ids

@@ -268,14 +268,7 @@ pub fn dynamics(
     }
     let mut static_set = BTreeSet::new();
     for &(layer, head) in static_heads {
-        if layer >= trace.n_layers || head >= trace.n_heads {
-            return Err(Error::BadHead {
-                layer,
-                head,
-                n_layers: trace.n_layers,
-                n_heads: trace.n_heads,
-            });
-        }
+        Error::check_head(layer, head, trace.n_layers, trace.n_heads)?;
         if !static_set.insert(layer * trace.n_heads + head) {
             return Err(Error::invalid(
                 "static heads",

@@ -260,11 +260,6 @@ impl Trace {
         self.prompt.is_empty()
     }
 
-    /// Prompts recorded (`prompt` values are `0..n_prompts`).
-    pub fn n_prompts(&self) -> usize {
-        self.prompt.iter().max().map_or(0, |p| p + 1)
-    }
-
     /// Append one example's steps as prompt number `prompt`.
     pub fn push(&mut self, prompt: usize, steps: &ExampleSteps) -> Result<()> {
         let (d, h) = (self.features.ncols(), self.labels.ncols());
@@ -515,7 +510,7 @@ mod tests {
         };
         t.push(0, &steps).unwrap();
         t.push(1, &steps).unwrap();
-        assert_eq!((t.len(), t.n_prompts()), (4, 2));
+        assert_eq!((t.len(), t.prompt.clone()), (4, vec![0, 0, 1, 1]));
         assert_eq!(t.step, vec![0, 1, 0, 1]);
         let bad = ExampleSteps {
             features: vec![vec![1.0; 3]],

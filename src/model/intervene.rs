@@ -135,14 +135,7 @@ impl Interventions {
     pub fn validate(&self, cfg: &Config) -> Result<()> {
         for (&layer, heads) in &self.layers {
             for (&head, edit) in heads {
-                if layer >= cfg.n_layers || head >= cfg.n_heads {
-                    return Err(Error::BadHead {
-                        layer,
-                        head,
-                        n_layers: cfg.n_layers,
-                        n_heads: cfg.n_heads,
-                    });
-                }
+                Error::check_head(layer, head, cfg.n_layers, cfg.n_heads)?;
                 let replacements = [
                     (
                         "output replacement",

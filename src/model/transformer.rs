@@ -262,15 +262,7 @@ impl Model {
     }
 
     fn check_head(&self, layer: usize, head: usize) -> Result<()> {
-        if layer >= self.cfg.n_layers || head >= self.cfg.n_heads {
-            return Err(Error::BadHead {
-                layer,
-                head,
-                n_layers: self.cfg.n_layers,
-                n_heads: self.cfg.n_heads,
-            });
-        }
-        Ok(())
+        Error::check_head(layer, head, self.cfg.n_layers, self.cfg.n_heads)
     }
 
     /// Run `tokens` (placed after the `cache.len()` tokens already cached) through the
@@ -412,7 +404,8 @@ impl Model {
             kh = candle_nn::ops::rms_norm(&kh.contiguous()?, kn, eps)?;
         }
         let qh = edits.replace_queries(layer, qh)?;
-        if observer.wants().queries {
+        let wants = observer.wants();
+        if wants.queries {
             observer.queries(layer, &qh.squeeze(0)?.transpose(0, 1)?.contiguous()?);
         }
         let qh = edits.uniform_queries(layer, rope.apply(&qh, start)?.squeeze(0)?)?;
@@ -441,7 +434,6 @@ impl Model {
         // Without a mask, the chunk's causal mask covers keys from position 0 (the window
         // always cuts, and so builds a mask, once keys were dropped and q_len > 1).
         debug_assert!(mask.is_some() || q_len == 1 || key_start == 0);
-        let wants = observer.wants();
         if wants.values {
             observer.values(layer, &pad_keys(&values, key_start, 1)?);
         }
