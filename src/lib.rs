@@ -15,6 +15,7 @@ pub mod model;
 pub mod parity;
 pub mod perplexity;
 mod plot;
+pub mod policy;
 pub mod probe;
 pub mod results;
 mod rng;

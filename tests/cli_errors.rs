@@ -491,3 +491,59 @@ fn a_trace_and_a_probe_of_another_model_are_refused() {
     );
     assert_clean_error(code, &err, "width 576");
 }
+
+#[test]
+fn bad_policies_fail_before_generation() {
+    let model = common::real_model();
+    let gemma_ranking = "policies/rankings/gemma-3-270m-q4_k_m/locos-niah.json";
+    let root = env!("CARGO_MANIFEST_DIR");
+    let dir = tmp("policies");
+    std::fs::create_dir_all(&dir).unwrap();
+    let cases = [
+        ("type = \"sparse\"", "sparse"),
+        ("type = \"window\"\nwindow = 0", "window"),
+        (
+            "type = \"static_heads\"\nheads = { ranking = \"x.json\", select = { fraction = 1.5 } }",
+            "fraction",
+        ),
+        (
+            &format!(
+                "type = \"static_heads\"\nheads = {{ ranking = \"{root}/{gemma_ranking}\", select = {{ top_k = 5 }} }}"
+            ),
+            "not this model",
+        ),
+        (
+            "type = \"dynamic_heads\"\nprobe = \"no/such/probe.json\"",
+            "no/such/probe.json",
+        ),
+    ];
+    for (i, (text, needle)) in cases.iter().enumerate() {
+        let p = dir.join(format!("p{i}.toml"));
+        std::fs::write(&p, text).unwrap();
+        let (code, err) = generate(&model, &["--prompt", "hi", "--policy", p.to_str().unwrap()]);
+        assert_clean_error(code, &err, needle);
+        // nothing was generated: the only output is the error line
+        assert_eq!(
+            err.lines().filter(|l| !l.trim().is_empty()).count(),
+            1,
+            "{err}"
+        );
+    }
+    let (code, err) = generate(
+        &model,
+        &[
+            "--prompt",
+            "hi",
+            "--set",
+            "type=window",
+            "--set",
+            "window=0",
+        ],
+    );
+    assert_clean_error(code, &err, "window");
+    let (code, err) = generate(
+        &model,
+        &["--prompt", "hi", "--policy", "no/such/policy.toml"],
+    );
+    assert_clean_error(code, &err, "no such file");
+}

@@ -1,8 +1,10 @@
-//! `headwise eval run|report`: ablation experiments from spec files.
+//! `headwise eval run|report|kv-budget|kv-report`: ablation experiments and KV-budget
+//! sweeps from spec files.
 
 use std::path::PathBuf;
 
 use clap::Subcommand;
+use headwise::eval::kv_budget::{self, BudgetSpec};
 use headwise::eval::report::write_report;
 use headwise::eval::run::{RunOptions, Runner, Shard};
 use headwise::eval::spec::EvalSpec;
@@ -39,6 +41,28 @@ pub enum EvalCommand {
         /// The run folder (`eval/results/<model>/<name>`).
         dir: PathBuf,
     },
+    /// Run a KV-budget sweep (accuracy and speed of compression policies against resident
+    /// KV bytes; resumes an interrupted run), then write its report.
+    KvBudget {
+        /// The spec file (TOML), e.g. `eval/kv-budget-smollm2.toml`.
+        spec: PathBuf,
+        /// At most this many examples per task (the first ones).
+        #[arg(long)]
+        limit: Option<usize>,
+        /// Results root: the run writes to `<out>/<model>/<spec name>/`.
+        #[arg(long, default_value = "eval/results")]
+        out: PathBuf,
+        /// Another data directory than the spec's.
+        #[arg(long, env = "HEADWISE_DATA_DIR")]
+        data_dir: Option<PathBuf>,
+        #[command(flatten)]
+        model: ModelArgs,
+    },
+    /// (Re)write the report of a KV-budget folder from its records.
+    KvReport {
+        /// The run folder (`eval/results/<model>/<name>`).
+        dir: PathBuf,
+    },
 }
 
 pub fn run(cmd: EvalCommand) -> anyhow::Result<()> {
@@ -64,10 +88,7 @@ pub fn run(cmd: EvalCommand) -> anyhow::Result<()> {
             let path = model.resolve()?;
             let id = ModelId::of_file(&path)?;
             let lm = LoadedModel::load(&path, model.numerics_or(Numerics::Fast))?;
-            let command = std::iter::once("headwise".to_string())
-                .chain(std::env::args().skip(1))
-                .collect::<Vec<_>>()
-                .join(" ");
+            let command = command_line();
             let opts = RunOptions {
                 out_dir: out.join(&id.name).join(&spec.name),
                 limit,
@@ -94,7 +115,52 @@ pub fn run(cmd: EvalCommand) -> anyhow::Result<()> {
             report(runner.out_dir().to_path_buf())
         }
         EvalCommand::Report { dir } => report(dir),
+        EvalCommand::KvBudget {
+            spec,
+            limit,
+            out,
+            data_dir,
+            model,
+        } => {
+            let mut spec = BudgetSpec::load(&spec)?;
+            if data_dir.is_some() {
+                spec.data_dir = data_dir;
+            }
+            let model = model.or_model(&spec.model);
+            let path = model.resolve()?;
+            let id = ModelId::of_file(&path)?;
+            let lm = LoadedModel::load(&path, Numerics::Fast)?;
+            let dir = out.join(&id.name).join(&spec.name);
+            let bar = ProgressBar::new(0).with_style(
+                ProgressStyle::with_template(
+                    "{bar:40} {pos}/{len} answers, {elapsed} elapsed, ETA {eta} {msg}",
+                )
+                .expect("a valid template"),
+            );
+            let n = kv_budget::run(&spec, &lm, &id, &dir, limit, &command_line(), Some(&bar))?;
+            bar.finish_and_clear();
+            eprintln!("{n} answers generated");
+            kv_report(dir)
+        }
+        EvalCommand::KvReport { dir } => kv_report(dir),
     }
+}
+
+fn command_line() -> String {
+    std::iter::once("headwise".to_string())
+        .chain(std::env::args().skip(1))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+fn kv_report(dir: PathBuf) -> anyhow::Result<()> {
+    let summary = kv_budget::write_report(&dir)?;
+    eprintln!(
+        "wrote {} summary numbers, README.md and plots to {}",
+        summary.len(),
+        dir.display()
+    );
+    Ok(())
 }
 
 fn report(dir: PathBuf) -> anyhow::Result<()> {

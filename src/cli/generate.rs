@@ -10,6 +10,8 @@ use headwise::model::{
     TextStream,
 };
 
+use headwise::policy::{GenerateRequest, PolicyConfig, Prompt, Runtime};
+
 use super::{read_utf8, ModelArgs};
 
 /// Which engine generates.
@@ -52,6 +54,16 @@ pub struct GenerateArgs {
     /// Engine.
     #[arg(long, value_enum, default_value = "instrumented")]
     engine: Engine,
+    /// A compression policy (TOML, e.g. policies/static-locos.toml); prints its KV stats.
+    #[arg(long)]
+    policy: Option<PathBuf>,
+    /// Override a policy key (`window=128`, `heads.select.top_k=9`); repeatable. Without
+    /// --policy, these alone define it (`type=window`).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    set: Vec<String>,
+    /// The probe of a dynamic_heads policy (overrides the file's).
+    #[arg(long)]
+    probe: Option<PathBuf>,
     #[command(flatten)]
     model: ModelArgs,
 }
@@ -72,11 +84,59 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     };
     sampling.validate()?;
     let path = args.model.resolve()?;
+    let policy = match (&args.policy, args.set.is_empty(), &args.probe) {
+        (Some(file), _, _) => Some(PolicyConfig::load(file, &args.set)?),
+        (None, false, _) => Some(PolicyConfig::from_overrides(&args.set)?),
+        (None, true, Some(_)) => anyhow::bail!("--probe needs a dynamic_heads --policy"),
+        (None, true, None) => None,
+    };
+    if let Some(policy) = policy {
+        if args.engine != Engine::Instrumented {
+            anyhow::bail!("--policy runs on the instrumented engine");
+        }
+        return with_policy(&args, &prompt, sampling, &path, policy);
+    }
     match args.engine {
         Engine::Instrumented => instrumented(&args, &prompt, sampling, &path),
         #[cfg(feature = "mistralrs")]
         Engine::Mistralrs => reference(&args, &prompt, &path),
     }
+}
+
+fn with_policy(
+    args: &GenerateArgs,
+    prompt: &str,
+    sampling: Sampling,
+    path: &std::path::Path,
+    policy: PolicyConfig,
+) -> anyhow::Result<()> {
+    let mut builder = Runtime::builder().model(path).policy(policy);
+    if let Some(probe) = &args.probe {
+        builder = builder.probe(probe);
+    }
+    let runtime = builder.build()?;
+    let prompt = if args.chat {
+        Prompt::Chat(vec![ChatMessage {
+            role: "user".into(),
+            content: prompt.to_string(),
+        }])
+    } else {
+        Prompt::Text(prompt.to_string())
+    };
+    let request = GenerateRequest {
+        prompt,
+        max_tokens: args.max_tokens,
+        sampling,
+    };
+    let mut stdout = std::io::stdout().lock();
+    let out = runtime.generate(&request, &mut |piece| {
+        let _ = write!(stdout, "{piece}");
+        let _ = stdout.flush();
+        true
+    })?;
+    writeln!(stdout)?;
+    eprintln!("{}", out.stats);
+    Ok(())
 }
 
 fn instrumented(

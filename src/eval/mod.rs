@@ -1,11 +1,13 @@
 //! The eval harness: tasks as [`Example`]s ([`datasets`], [`controls`] and the needle
 //! generators of [`crate::tasks`]), head ablations ([`ablation`]), experiment specs
-//! ([`spec`]), runs that resume and shard ([`run`]), and reports ([`report`]).
+//! ([`spec`]), runs that resume and shard ([`run`]), reports ([`report`]), and the
+//! accuracy-against-memory sweeps of the compression policies ([`kv_budget`]).
 
 pub mod ablation;
 pub mod controls;
 pub mod datasets;
 pub mod example;
+pub mod kv_budget;
 pub mod report;
 pub mod run;
 pub mod spec;

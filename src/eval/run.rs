@@ -44,6 +44,57 @@ pub const RUN_SCHEMA_VERSION: u32 = 1;
 /// The selection name of the unablated baseline (k = 0).
 pub const BASELINE: &str = "none";
 
+/// Collects a generated answer: stops at a stop token or at the first newline after some
+/// text; the answer is the first line, trimmed.
+pub(crate) struct AnswerText<'a> {
+    lm: &'a LoadedModel,
+    ids: Vec<u32>,
+    text: String,
+    failed: Option<Error>,
+}
+
+impl<'a> AnswerText<'a> {
+    pub(crate) fn new(lm: &'a LoadedModel) -> Self {
+        Self {
+            lm,
+            ids: Vec::new(),
+            text: String::new(),
+            failed: None,
+        }
+    }
+
+    /// Take one generated token; `false` when generation should stop.
+    pub(crate) fn push(&mut self, tok: u32) -> bool {
+        if self.lm.special.stop.contains(&tok) {
+            return false;
+        }
+        self.ids.push(tok);
+        match self.lm.decode(&self.ids) {
+            Ok(t) => self.text = t,
+            Err(e) => {
+                self.failed = Some(e);
+                return false;
+            }
+        }
+        !self.text.trim_start().contains('\n')
+    }
+
+    /// The answer's first line, trimmed.
+    pub(crate) fn finish(self) -> Result<String> {
+        if let Some(e) = self.failed {
+            return Err(e);
+        }
+        Ok(self
+            .text
+            .trim_start()
+            .lines()
+            .next()
+            .unwrap_or("")
+            .trim()
+            .to_string())
+    }
+}
+
 /// One answer: which example, which ablation, what came out, how it scored.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ExampleRecord {
@@ -495,41 +546,16 @@ impl<'a> Runner<'a> {
             stop: self.lm.special.stop.clone(),
             ..GenerateOptions::default()
         };
-        let mut ids = Vec::new();
-        let mut text = String::new();
-        let mut failed = None;
+        let mut answer = AnswerText::new(self.lm);
         generate(
             &self.lm.model,
             &ex.prompt,
             &opts,
             &mut NoObserver,
             edits,
-            &mut |tok, _| {
-                if self.lm.special.stop.contains(&tok) {
-                    return false;
-                }
-                ids.push(tok);
-                match self.lm.decode(&ids) {
-                    Ok(t) => text = t,
-                    Err(e) => {
-                        failed = Some(e);
-                        return false;
-                    }
-                }
-                // Stop at the first newline after some text.
-                !text.trim_start().contains('\n')
-            },
+            &mut |tok, _| answer.push(tok),
         )?;
-        if let Some(e) = failed {
-            return Err(e);
-        }
-        Ok(text
-            .trim_start()
-            .lines()
-            .next()
-            .unwrap_or("")
-            .trim()
-            .to_string())
+        answer.finish()
     }
 
     /// The folder the run writes to.
@@ -597,6 +623,11 @@ fn to_json<T: Serialize>(v: &T) -> Result<Vec<u8>> {
 /// from the file, so appending continues on a clean line); a malformed line elsewhere is
 /// an error naming the line.
 pub fn read_records(path: &Path) -> Result<Vec<ExampleRecord>> {
+    read_jsonl(path)
+}
+
+/// [`read_records`] for any record type: one JSON value a line.
+pub fn read_jsonl<T: serde::de::DeserializeOwned>(path: &Path) -> Result<Vec<T>> {
     if !path.exists() {
         return Ok(Vec::new());
     }
@@ -640,13 +671,13 @@ pub fn read_all_records(dir: &Path) -> Result<Vec<ExampleRecord>> {
 }
 
 /// Builds examples from the data directory, loading each haystack once.
-struct Sources<'d> {
+pub(crate) struct Sources<'d> {
     data_dir: &'d Path,
     haystack: Option<Haystack>,
 }
 
 impl<'d> Sources<'d> {
-    fn new(data_dir: &'d Path) -> Self {
+    pub(crate) fn new(data_dir: &'d Path) -> Self {
         Self {
             data_dir,
             haystack: None,
@@ -676,7 +707,7 @@ impl<'d> Sources<'d> {
         Ok(self.haystack.as_ref().expect("just loaded"))
     }
 
-    fn examples(
+    pub(crate) fn examples(
         &mut self,
         entry: &TaskEntry,
         enc: &Encoder,

@@ -196,6 +196,33 @@ pub fn record(
         let none = Interventions::new();
         model.forward(head, &mut cache, Logits::Last, &mut NoObserver, &none)?;
     }
+    record_steps(lm, ex, cfg, forced, edits_at, cache)
+}
+
+/// [`record`] from a cache that already holds every prompt position but the last
+/// (a shared prefill).
+pub fn record_steps(
+    lm: &LoadedModel,
+    ex: &Example,
+    cfg: &TraceConfig,
+    forced: Option<&[u32]>,
+    edits_at: &mut dyn FnMut(usize) -> Interventions,
+    mut cache: KvCache,
+) -> Result<ExampleSteps> {
+    let model = &lm.model;
+    let mc = model.config();
+    let prompt = &ex.prompt;
+    if prompt.is_empty() || cache.len() + 1 != prompt.len() {
+        return Err(Error::invalid(
+            "trace",
+            format!(
+                "{}: the cache holds {} positions, the prompt has {}",
+                ex.id,
+                cache.len(),
+                prompt.len()
+            ),
+        ));
+    }
     let mut out = ExampleSteps::default();
     let mut sequence = prompt.clone();
     let mut input = *prompt.last().expect("checked non-empty");

@@ -118,14 +118,18 @@ unsafe fn dot_avx512(a: &[f32], b: &[f32]) -> f32 {
 /// costs more than it balances.
 const MIN_PART: usize = 64;
 
+/// One KV head's stored rows for a decode step: `len` key rows and `len` value rows of
+/// `d_head` floats each, row-major.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct KvRows<'a> {
+    pub keys: &'a [f32],
+    pub values: &'a [f32],
+    pub len: usize,
+}
+
 /// Attention of one query position per head (a decode step): `(n_heads, 1, d_head)` and,
-/// when `want_probs`, the probabilities `(n_heads, 1, kv_len)`.
-///
-/// Each parallel task takes one KV head and a contiguous part of the keys, and serves all
-/// query heads of the group from it, so every key and value row is read from memory once
-/// per step, not once per query head. A task leaves, per query head, the unnormalised
-/// weights `exp(s - m_part)`, their maximum `m_part` and sum, and `sum_j w_j v_j`; the
-/// parts are then merged with the usual rescaling by `exp(m_part - m)`.
+/// when `want_probs`, the probabilities `(n_heads, 1, kv_len)`. A tensor front end to
+/// [`decode_rows`].
 pub(crate) fn single_query(
     q: &Tensor,
     keys: &Tensor,
@@ -138,111 +142,178 @@ pub(crate) fn single_query(
         dh,
         kv_len,
         group,
-        scale,
         ..
     } = Shapes::of(q, keys)?;
     let nkv = nh / group;
-    // Enough tasks for two per thread, in parts of at least MIN_PART keys.
-    let parts = (2 * rayon::current_num_threads())
-        .div_ceil(nkv)
-        .min(kv_len.div_ceil(MIN_PART))
-        .max(1);
-    let span = kv_len.div_ceil(parts);
     let q = q.contiguous()?;
     let mask = mask_values(mask)?;
-    // Per (KV head, part): `group` rows of `span` weights, then per query head its
-    // maximum, sum and weighted values.
-    let mut weights = vec![0f32; nkv * parts * group * span];
-    let mut stats = vec![Part::default(); nkv * parts * group];
-    let mut accs = vec![0f32; nkv * parts * group * dh];
-    with_data(&q, |qd, _| {
+    let masks: Vec<Option<&[f32]>> = (0..nh)
+        .map(|h| mask.as_ref().map(|m| &m[h * kv_len..(h + 1) * kv_len]))
+        .collect();
+    let (out, probs) = with_data(&q, |qd, _| {
         with_data(keys, |kd, ks| {
             with_data(values, |vd, vs| {
-                weights
-                    .par_chunks_mut(group * span)
-                    .zip(stats.par_chunks_mut(group))
-                    .zip(accs.par_chunks_mut(group * dh))
-                    .enumerate()
-                    .for_each(|(task, ((w, st), acc))| {
-                        let (kvh, part) = (task / parts, task % parts);
-                        let keys = part * span..((part + 1) * span).min(kv_len);
-                        let n = keys.len();
-                        for (i, j) in keys.clone().enumerate() {
-                            let k = &kd[kvh * ks[0] + j * ks[1]..][..dh];
-                            for g in 0..group {
-                                let h = kvh * group + g;
-                                w[g * span + i] = dot(&qd[h * dh..(h + 1) * dh], k) * scale;
-                            }
-                        }
-                        for (g, st) in st.iter_mut().enumerate() {
-                            let row = &mut w[g * span..g * span + n];
-                            if let Some(m) = &mask {
-                                let h = kvh * group + g;
-                                let bias = &m[h * kv_len + keys.start..][..n];
-                                row.iter_mut().zip(bias).for_each(|(p, b)| *p += b);
-                            }
-                            st.max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                            st.sum = if st.max == f32::NEG_INFINITY {
-                                row.fill(0.0);
-                                0.0
-                            } else {
-                                fast_exp::exp_shifted(row, st.max)
-                            };
-                        }
-                        for (i, j) in keys.enumerate() {
-                            let v = &vd[kvh * vs[0] + j * vs[1]..][..dh];
-                            for (g, acc) in acc.chunks_exact_mut(dh).enumerate() {
-                                let p = w[g * span + i];
-                                if p != 0.0 {
-                                    acc.iter_mut().zip(v).for_each(|(a, x)| *a += p * x);
-                                }
-                            }
-                        }
-                    });
-                Ok(())
+                if ks[1..] != [dh, 1] || vs[1..] != [dh, 1] {
+                    return Err(Error::invalid("attention", "key rows must be contiguous"));
+                }
+                let heads: Vec<KvRows> = (0..nkv)
+                    .map(|h| KvRows {
+                        keys: &kd[h * ks[0]..][..kv_len * dh],
+                        values: &vd[h * vs[0]..][..kv_len * dh],
+                        len: kv_len,
+                    })
+                    .collect();
+                Ok(decode_rows(&qd[..nh * dh], dh, &heads, &masks, want_probs))
             })
         })
     })?;
-    // Merge the parts of each query head.
-    let mut out = vec![0f32; nh * dh];
-    let mut probs = want_probs.then(|| vec![0f32; nh * kv_len]);
-    let mut factors = vec![0f32; parts];
-    for h in 0..nh {
-        let (kvh, g) = (h / group, h % group);
-        let at = |part: usize| (kvh * parts + part) * group + g;
-        let max = (0..parts)
-            .map(|p| stats[at(p)].max)
-            .fold(f32::NEG_INFINITY, f32::max);
-        let mut total = 0f32;
-        for (p, f) in factors.iter_mut().enumerate() {
-            let st = &stats[at(p)];
-            *f = if st.sum > 0.0 {
-                (st.max - max).exp()
-            } else {
-                0.0
-            };
-            total += st.sum * *f;
-        }
-        let o = &mut out[h * dh..(h + 1) * dh];
-        for (p, f) in factors.iter().enumerate() {
-            let acc = &accs[at(p) * dh..][..dh];
-            o.iter_mut().zip(acc).for_each(|(o, a)| *o += a * f / total);
-        }
-        if let Some(probs) = &mut probs {
-            for (p, f) in factors.iter().enumerate() {
-                let first = p * span;
-                let n = span.min(kv_len - first.min(kv_len));
-                let w = &weights[at(p) * span..][..n];
-                let dst = &mut probs[h * kv_len + first..][..n];
-                dst.iter_mut().zip(w).for_each(|(d, w)| *d = w * f / total);
-            }
-        }
-    }
     let out = Tensor::from_vec(out, (nh, 1, dh), &Device::Cpu)?;
     let probs = probs
-        .map(|p| Tensor::from_vec(p, (nh, 1, kv_len), &Device::Cpu))
+        .map(|p| Tensor::from_vec(p.concat(), (nh, 1, kv_len), &Device::Cpu))
         .transpose()?;
     Ok((out, probs))
+}
+
+/// The work of one parallel task of [`decode_rows`]: a KV head and a part of its keys.
+struct Task {
+    kv_head: usize,
+    keys: std::ops::Range<usize>,
+    /// `group` rows of `keys.len()` weights.
+    weights: Vec<f32>,
+    /// Per query head of the group.
+    stats: Vec<Part>,
+    /// `group` rows of `d_head` weighted value sums.
+    accs: Vec<f32>,
+}
+
+/// Attention of one query position per head over per-KV-head rows that may differ in
+/// length: queries `q` `(n_heads * d_head)`, query head `h` reading `heads[h / group]`;
+/// `masks[h]`, when given, is an additive bias over that KV head's rows. Returns the
+/// output `(n_heads * d_head)` and, when `want_probs`, each head's probabilities over its
+/// rows.
+///
+/// Each parallel task takes one KV head and a contiguous part of its keys, and serves all
+/// query heads of the group from it, so every key and value row is read from memory once
+/// per step, not once per query head. A task leaves, per query head, the unnormalised
+/// weights `exp(s - m_part)`, their maximum `m_part` and sum, and `sum_j w_j v_j`; the
+/// parts are then merged with the usual rescaling by `exp(m_part - m)`.
+pub(crate) fn decode_rows(
+    q: &[f32],
+    dh: usize,
+    heads: &[KvRows],
+    masks: &[Option<&[f32]>],
+    want_probs: bool,
+) -> (Vec<f32>, Option<Vec<Vec<f32>>>) {
+    let nkv = heads.len();
+    let nh = q.len() / dh;
+    let group = nh / nkv;
+    let scale = 1.0 / (dh as f32).sqrt();
+    // Enough tasks for two per thread, in parts of at least MIN_PART keys.
+    let mut tasks = Vec::new();
+    for (kv_head, rows) in heads.iter().enumerate() {
+        let parts = (2 * rayon::current_num_threads())
+            .div_ceil(nkv)
+            .min(rows.len.div_ceil(MIN_PART))
+            .max(1);
+        let span = rows.len.div_ceil(parts);
+        for part in 0..parts {
+            let keys = (part * span).min(rows.len)..((part + 1) * span).min(rows.len);
+            tasks.push(Task {
+                kv_head,
+                weights: vec![0f32; group * keys.len()],
+                keys,
+                stats: vec![Part::default(); group],
+                accs: vec![0f32; group * dh],
+            });
+        }
+    }
+    tasks.par_iter_mut().for_each(|task| {
+        let rows = &heads[task.kv_head];
+        let n = task.keys.len();
+        let w = &mut task.weights;
+        for (i, j) in task.keys.clone().enumerate() {
+            let k = &rows.keys[j * dh..][..dh];
+            for g in 0..group {
+                let h = task.kv_head * group + g;
+                w[g * n + i] = dot(&q[h * dh..(h + 1) * dh], k) * scale;
+            }
+        }
+        for (g, st) in task.stats.iter_mut().enumerate() {
+            let row = &mut w[g * n..(g + 1) * n];
+            if let Some(m) = masks[task.kv_head * group + g] {
+                let bias = &m[task.keys.clone()];
+                row.iter_mut().zip(bias).for_each(|(p, b)| *p += b);
+            }
+            st.max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            st.sum = if st.max == f32::NEG_INFINITY {
+                row.fill(0.0);
+                0.0
+            } else {
+                fast_exp::exp_shifted(row, st.max)
+            };
+        }
+        for (i, j) in task.keys.clone().enumerate() {
+            let v = &rows.values[j * dh..][..dh];
+            for (g, acc) in task.accs.chunks_exact_mut(dh).enumerate() {
+                let p = w[g * n + i];
+                if p != 0.0 {
+                    acc.iter_mut().zip(v).for_each(|(a, x)| *a += p * x);
+                }
+            }
+        }
+    });
+    // Merge the parts of each query head (tasks of one KV head are consecutive).
+    let mut out = vec![0f32; nh * dh];
+    let mut probs = want_probs.then(|| {
+        (0..nh)
+            .map(|h| vec![0f32; heads[h / group].len])
+            .collect::<Vec<_>>()
+    });
+    let mut first = 0;
+    for kv_head in 0..nkv {
+        let end = first
+            + tasks[first..]
+                .iter()
+                .take_while(|t| t.kv_head == kv_head)
+                .count();
+        let parts = &tasks[first..end];
+        for g in 0..group {
+            let h = kv_head * group + g;
+            let max = parts
+                .iter()
+                .map(|t| t.stats[g].max)
+                .fold(f32::NEG_INFINITY, f32::max);
+            let factors: Vec<f32> = parts
+                .iter()
+                .map(|t| {
+                    if t.stats[g].sum > 0.0 {
+                        (t.stats[g].max - max).exp()
+                    } else {
+                        0.0
+                    }
+                })
+                .collect();
+            let total: f32 = parts
+                .iter()
+                .zip(&factors)
+                .fold(0f32, |acc, (t, f)| acc + t.stats[g].sum * f);
+            let o = &mut out[h * dh..(h + 1) * dh];
+            for (t, f) in parts.iter().zip(&factors) {
+                let acc = &t.accs[g * dh..(g + 1) * dh];
+                o.iter_mut().zip(acc).for_each(|(o, a)| *o += a * f / total);
+            }
+            if let Some(probs) = &mut probs {
+                for (t, f) in parts.iter().zip(&factors) {
+                    let n = t.keys.len();
+                    let w = &t.weights[g * n..(g + 1) * n];
+                    let dst = &mut probs[h][t.keys.clone()];
+                    dst.iter_mut().zip(w).for_each(|(d, w)| *d = w * f / total);
+                }
+            }
+        }
+        first = end;
+    }
+    (out, probs)
 }
 
 /// One query head's softmax statistics over one part of the keys.

@@ -123,6 +123,27 @@ pub struct GenerateOptions {
     pub stop: Vec<u32>,
 }
 
+impl GenerateOptions {
+    /// Check a request of `prompt` tokens against these options and a context of
+    /// `context` tokens: a non-empty prompt, at least one new token, and room for both.
+    pub fn check(&self, prompt: usize, context: usize) -> Result<()> {
+        if prompt == 0 {
+            return Err(Error::invalid("prompt", "empty (no tokens)"));
+        }
+        if self.max_new == 0 {
+            return Err(Error::invalid("max-tokens", "0 (must be at least 1)"));
+        }
+        if prompt + self.max_new > context {
+            return Err(Error::ContextOverflow {
+                prompt,
+                max_new: self.max_new,
+                context,
+            });
+        }
+        Ok(())
+    }
+}
+
 /// Why generation ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StopReason {
@@ -174,19 +195,7 @@ pub fn generate(
     on_token: &mut dyn FnMut(u32, &Tensor) -> bool,
 ) -> Result<Generation> {
     let cfg = model.config();
-    if prompt.is_empty() {
-        return Err(Error::invalid("prompt", "empty (no tokens)"));
-    }
-    if opts.max_new == 0 {
-        return Err(Error::invalid("max-tokens", "0 (must be at least 1)"));
-    }
-    if prompt.len() + opts.max_new > cfg.context_length {
-        return Err(Error::ContextOverflow {
-            prompt: prompt.len(),
-            max_new: opts.max_new,
-            context: cfg.context_length,
-        });
-    }
+    opts.check(prompt.len(), cfg.context_length)?;
     let mut sampler = Sampler::new(opts.sampling)?;
     let mut cache = KvCache::new(cfg, prompt.len() + opts.max_new);
     let t0 = Instant::now();

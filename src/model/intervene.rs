@@ -114,6 +114,15 @@ impl Interventions {
         self
     }
 
+    /// Add every edit of `other`; a head edited in both takes `other`'s edit.
+    pub fn merge(&mut self, other: &Interventions) {
+        for (&layer, heads) in &other.layers {
+            for (&head, edit) in heads {
+                *self.head(layer, head) = edit.clone();
+            }
+        }
+    }
+
     /// Whether there is no edit at all.
     pub fn is_empty(&self) -> bool {
         self.layers.values().all(|heads| heads.is_empty())

@@ -122,6 +122,21 @@ impl KvCache {
             .sum()
     }
 
+    /// What layer `layer` stores: keys and values `(n_kv_heads, rows, d_head)` of the
+    /// positions `start..len()`, with `start` (above 0 once a sliding window dropped
+    /// keys); `None` before the layer stored anything.
+    pub fn layer_rows(&self, layer: usize) -> Result<Option<(Tensor, Tensor, usize)>> {
+        let Some(l) = self.layers.get(layer).and_then(|l| l.as_ref()) else {
+            return Ok(None);
+        };
+        let rows = self.len - l.offset;
+        Ok(Some((
+            l.k.narrow(1, 0, rows)?,
+            l.v.narrow(1, 0, rows)?,
+            l.offset,
+        )))
+    }
+
     /// Write `k`, `v` (`(n_kv_heads, seq, d_head)`) of layer `layer` at positions
     /// `len..len + seq` and return views of every position the layer still stores.
     /// The cache's length advances only in [`KvCache::commit`], once every layer wrote.

@@ -13,7 +13,7 @@ use crate::model::config::{Architecture, LayerSpec};
 use crate::model::gguf::{GgufFile, TensorSource};
 use crate::model::intervene::MaskSpan;
 use crate::model::linear::Projections;
-use crate::model::{Config, Interventions, KvCache, Linear, Numerics, Observer, Rope};
+use crate::model::{Config, HeadCache, Interventions, KvCache, Linear, Numerics, Observer, Rope};
 use crate::{Error, Result};
 
 /// Which positions' logits a forward pass returns.
@@ -278,6 +278,40 @@ impl Model {
         observer: &mut dyn Observer,
         edits: &Interventions,
     ) -> Result<Tensor> {
+        self.forward_store(tokens, Store::Plain(cache), logits, observer, edits)
+    }
+
+    /// [`Model::forward`] over a per-head cache: each KV head reads what its
+    /// [`Retention`](crate::model::Retention) keeps, and top-k restrictions apply at
+    /// decode steps. Observers may not ask for attention probabilities or values here,
+    /// and `edits` may not restrict keys or bias scores (a policy decides what heads
+    /// see); output and query edits apply as usual.
+    pub fn forward_heads(
+        &self,
+        tokens: &[u32],
+        cache: &mut HeadCache,
+        logits: Logits,
+        observer: &mut dyn Observer,
+        edits: &Interventions,
+    ) -> Result<Tensor> {
+        let wants = observer.wants();
+        if wants.attention || wants.values {
+            return Err(Error::invalid(
+                "observer",
+                "attention probabilities and values are not observable through a per-head cache",
+            ));
+        }
+        self.forward_store(tokens, Store::Heads(cache), logits, observer, edits)
+    }
+
+    fn forward_store(
+        &self,
+        tokens: &[u32],
+        mut cache: Store,
+        logits: Logits,
+        observer: &mut dyn Observer,
+        edits: &Interventions,
+    ) -> Result<Tensor> {
         if tokens.is_empty() {
             return Err(Error::invalid("tokens", "empty input"));
         }
@@ -309,7 +343,7 @@ impl Model {
                     Logits::Last if last => Some(Logits::Last),
                     Logits::Last => None,
                 };
-                if let Some(l) = self.forward_chunk(chunk, cache, want, observer, edits)? {
+                if let Some(l) = self.forward_chunk(chunk, &mut cache, want, observer, edits)? {
                     outs.push(l);
                 }
             }
@@ -325,7 +359,7 @@ impl Model {
     fn forward_chunk(
         &self,
         tokens: &[u32],
-        cache: &mut KvCache,
+        cache: &mut Store,
         logits: Option<Logits>,
         observer: &mut dyn Observer,
         edits: &Interventions,
@@ -384,7 +418,7 @@ impl Model {
         x: &Tensor,
         start: usize,
         causal: Option<&Tensor>,
-        cache: &mut KvCache,
+        cache: &mut Store,
         observer: &mut dyn Observer,
         edits: &Interventions,
     ) -> Result<Tensor> {
@@ -411,6 +445,25 @@ impl Model {
         let qh = edits.uniform_queries(layer, rope.apply(&qh, start)?.squeeze(0)?)?;
         let kh = rope.apply(&kh, start)?;
         let vh = heads(qkv[2].clone(), nkv)?;
+        let cache = match cache {
+            Store::Plain(cache) => cache,
+            Store::Heads(cache) => {
+                let span = MaskSpan {
+                    queries: start..start + q_len,
+                    keys: 0..start + q_len,
+                    window: None,
+                };
+                if edits.score_mask(layer, nh, &span)?.is_some() {
+                    return Err(Error::invalid(
+                        "interventions",
+                        "key restrictions and score biases do not apply to a per-head cache \
+                         (use a top-k policy)",
+                    ));
+                }
+                let out = cache.attend(layer, &qh, &kh.squeeze(0)?, &vh.squeeze(0)?, start)?;
+                return self.project_heads(layer, block, out, observer, edits);
+            }
+        };
         let stored = cache.append(layer, &kh.squeeze(0)?, &vh.squeeze(0)?)?;
         let (mut keys, mut values, mut key_start) = (stored.keys, stored.values, stored.start);
         let window = self.specs[layer].window;
@@ -464,12 +517,50 @@ impl Model {
                 attention::streaming(&qh, &keys, &values, start - key_start, mask.as_ref())?
             }
         };
+        self.project_heads(layer, block, out, observer, edits)
+    }
+
+    /// Head outputs `(n_heads, q, d_head)` -> observed, edited, through `W_O`:
+    /// `(q, d_model)`.
+    fn project_heads(
+        &self,
+        layer: usize,
+        block: &Block,
+        out: Tensor,
+        observer: &mut dyn Observer,
+        edits: &Interventions,
+    ) -> Result<Tensor> {
+        let (nh, q_len, dh) = out.dims3()?;
         let out = out.transpose(0, 1)?.contiguous()?;
-        if wants.head_outputs {
+        if observer.wants().head_outputs {
             observer.head_outputs(layer, &out);
         }
         let out = edits.edit_outputs(layer, out)?;
         block.wo.forward(&out.reshape((q_len, nh * dh))?)
+    }
+}
+
+/// The cache a forward pass appends to.
+enum Store<'a> {
+    /// One buffer per layer, every KV head alike.
+    Plain(&'a mut KvCache),
+    /// One store per (layer, KV head), each with its own retention.
+    Heads(&'a mut HeadCache),
+}
+
+impl Store<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Store::Plain(c) => c.len(),
+            Store::Heads(c) => c.len(),
+        }
+    }
+
+    fn commit(&mut self, q: usize) {
+        match self {
+            Store::Plain(c) => c.commit(q),
+            Store::Heads(c) => c.commit(q),
+        }
     }
 }
 

@@ -1,0 +1,262 @@
+//! Generation under a [`Plan`]: prefill (streaming, or full then evict), then one decode
+//! step per token over the per-head cache, with the dynamic head choice made before
+//! every step, and the memory it took.
+//!
+//! The prompt's last token runs as the first decode step, so every step (including the
+//! one that yields the first token) is a single-query pass: the probe of a dynamic
+//! policy sees the final hidden state of the step before (for the first step, the
+//! prompt's second-to-last position).
+
+use std::time::Instant;
+
+use candle_core::Tensor;
+use serde::{Deserialize, Serialize};
+
+use crate::model::{
+    GenerateOptions, Generation, HeadCache, KvBytes, KvCache, Logits, Model, Observer, Sampler,
+    StopReason, Wants,
+};
+use crate::policy::config::Prefill;
+use crate::policy::plan::{DynamicSource, Plan};
+use crate::{Error, Result};
+
+/// A prompt prefilled with the plain (full) cache, all but its last token: shared by
+/// every `full_then_evict` policy run on the same prompt.
+#[derive(Debug, Clone)]
+pub struct Prefilled {
+    kv: KvCache,
+    /// Final hidden state `(d_model,)` of the last prefilled position.
+    hidden: Option<Vec<f32>>,
+    /// The prompt.
+    prompt: Vec<u32>,
+    secs: f64,
+}
+
+impl Prefilled {
+    /// Run `prompt[..len - 1]` through the model with full attention and the plan's
+    /// edits; `capacity` sizes the cache (prompt plus new tokens).
+    pub fn run(model: &Model, plan: &Plan, prompt: &[u32], capacity: usize) -> Result<Self> {
+        if prompt.is_empty() {
+            return Err(Error::invalid("prompt", "empty (no tokens)"));
+        }
+        let t0 = Instant::now();
+        let mut kv = KvCache::new(model.config(), capacity);
+        let mut obs = LastHidden::new(true);
+        if prompt.len() > 1 {
+            let head = &prompt[..prompt.len() - 1];
+            model.forward(head, &mut kv, Logits::Last, &mut obs, &plan.edits)?;
+        }
+        Ok(Self {
+            kv,
+            hidden: obs.hidden,
+            prompt: prompt.to_vec(),
+            secs: t0.elapsed().as_secs_f64(),
+        })
+    }
+
+    /// The plain cache holding every prompt position but the last.
+    pub fn cache(&self) -> &KvCache {
+        &self.kv
+    }
+
+    /// Bytes the plain cache allocated for the prefill.
+    pub fn bytes(&self) -> usize {
+        self.kv.allocated_bytes()
+    }
+}
+
+/// Keeps the final hidden state of the last position of each pass, when enabled.
+struct LastHidden {
+    enabled: bool,
+    hidden: Option<Vec<f32>>,
+}
+
+impl LastHidden {
+    fn new(enabled: bool) -> Self {
+        Self {
+            enabled,
+            hidden: None,
+        }
+    }
+}
+
+impl Observer for LastHidden {
+    fn wants(&self) -> Wants {
+        Wants {
+            final_hidden: self.enabled,
+            ..Wants::default()
+        }
+    }
+
+    fn final_hidden(&mut self, hidden: &Tensor) {
+        let q = hidden.dim(0).unwrap_or(1);
+        self.hidden = hidden
+            .narrow(0, q.saturating_sub(1), 1)
+            .and_then(|h| h.flatten_all())
+            .and_then(|h| h.to_vec1())
+            .ok();
+    }
+}
+
+/// Memory and head activity of one generation.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct KvStats {
+    /// Resident KV bytes at the end.
+    pub end: KvBytes,
+    /// The most resident at any point of decode (and of a streaming prefill).
+    pub peak: KvBytes,
+    /// The most resident during the prefill (`full_then_evict`: the full cache).
+    pub prefill_peak: usize,
+    /// Dynamic policies: mean KV heads reading their cold tier per step.
+    pub mean_active_kv_heads: Option<f64>,
+}
+
+/// A generation and what it cost.
+#[derive(Debug, Clone)]
+pub struct PolicyGeneration {
+    pub generation: Generation,
+    pub kv: KvStats,
+}
+
+/// Generate from `prompt` under `plan`. A `full_then_evict` plan reuses `prefilled`
+/// when given (it must be of the same prompt), else prefills itself. `oracle_labels`
+/// (per step, `layer * n_heads + head`, 1 = retrieval head) drive an oracle plan (and
+/// only an oracle plan: other plans ignore them).
+/// `on_token` sees each token with its logits `(1, vocab)` and may return `false` to
+/// stop.
+pub fn generate(
+    model: &Model,
+    plan: &Plan,
+    prompt: &[u32],
+    opts: &GenerateOptions,
+    prefilled: Option<&Prefilled>,
+    oracle_labels: Option<&[Vec<f32>]>,
+    on_token: &mut dyn FnMut(u32, &Tensor) -> bool,
+) -> Result<PolicyGeneration> {
+    let cfg = model.config();
+    opts.check(prompt.len(), cfg.context_length)?;
+    // Labels drive an oracle plan only; any other plan ignores them.
+    let oracle = match (&plan.dynamic, oracle_labels) {
+        (Some(d), labels) if matches!(d.source, DynamicSource::Oracle) => {
+            Some(labels.ok_or_else(|| {
+                Error::invalid(
+                    "dynamic_heads",
+                    "the oracle needs per-step labels (run it from the eval harness)",
+                )
+            })?)
+        }
+        _ => None,
+    };
+    let mut sampler = Sampler::new(opts.sampling)?;
+    let capacity = prompt.len() + opts.max_new;
+    let t0 = Instant::now();
+    let (mut cache, mut hidden, prefill_peak) = match plan.prefill {
+        Prefill::FullThenEvict => {
+            let own;
+            let pre = match prefilled {
+                Some(p) if p.prompt == prompt => p,
+                Some(_) => return Err(Error::invalid("prefill", "shared for another prompt")),
+                None => {
+                    own = Prefilled::run(model, plan, prompt, capacity)?;
+                    &own
+                }
+            };
+            let cache = HeadCache::from_kv(cfg, &pre.kv, &plan.retention, capacity)?;
+            let peak = pre.bytes() + cache.bytes().total();
+            (cache, pre.hidden.clone(), peak)
+        }
+        Prefill::Stream => {
+            let mut cache = HeadCache::new(cfg, &plan.retention, capacity)?;
+            let mut obs = LastHidden::new(true);
+            if prompt.len() > 1 {
+                let head = &prompt[..prompt.len() - 1];
+                model.forward_heads(head, &mut cache, Logits::Last, &mut obs, &plan.edits)?;
+            }
+            let peak = cache.peak_bytes().total();
+            (cache, obs.hidden, peak)
+        }
+    };
+    // With a shared prefill, its time counts as this run's prefill.
+    let shared_secs = match (plan.prefill, prefilled) {
+        (Prefill::FullThenEvict, Some(p)) => p.secs,
+        _ => 0.0,
+    };
+    for &(layer, head, tk) in &plan.topk {
+        cache.set_topk(layer, head, Some(tk))?;
+    }
+    let want_hidden = matches!(
+        plan.dynamic.as_ref().map(|d| &d.source),
+        Some(DynamicSource::Probe { .. })
+    );
+    let mut probe_ws = None;
+    let mut probe_out = Vec::new();
+    let mut active_sum = 0usize;
+    let mut steps = 0usize;
+    let mut tokens = Vec::with_capacity(opts.max_new);
+    let mut input = *prompt.last().expect("checked non-empty");
+    let mut prefill_secs = 0.0;
+    let mut t1 = Instant::now();
+    let stop = loop {
+        if let Some(d) = &plan.dynamic {
+            let flags = match &d.source {
+                DynamicSource::Oracle => {
+                    let labels = oracle.expect("checked above");
+                    let none = vec![0.0; cfg.n_layers * cfg.n_heads];
+                    let step = labels.get(steps).unwrap_or(&none);
+                    plan.active_kv_heads(step, 0.5, d.gqa)
+                }
+                DynamicSource::Probe { probe, threshold } => match &hidden {
+                    Some(h) => {
+                        let ws = probe_ws.get_or_insert_with(|| probe.workspace());
+                        probe_out.resize(probe.output_dim(), 0.0);
+                        probe.predict_into(h, ws, &mut probe_out)?;
+                        plan.active_kv_heads(&probe_out, *threshold, d.gqa)
+                    }
+                    None => vec![false; cfg.n_layers * cfg.n_kv_heads],
+                },
+            };
+            active_sum += flags.iter().filter(|&&a| a).count();
+            cache.set_active(&flags)?;
+        }
+        let mut obs = LastHidden::new(want_hidden);
+        let logits =
+            model.forward_heads(&[input], &mut cache, Logits::Last, &mut obs, &plan.edits)?;
+        hidden = obs.hidden;
+        steps += 1;
+        let next = sampler.sample(&logits)?;
+        if tokens.is_empty() {
+            prefill_secs = t0.elapsed().as_secs_f64() + shared_secs;
+            t1 = Instant::now();
+        }
+        tokens.push(next);
+        if !on_token(next, &logits) {
+            break StopReason::Cancelled;
+        }
+        if opts.stop.contains(&next) {
+            break StopReason::Stop;
+        }
+        if tokens.len() == opts.max_new {
+            break StopReason::Length;
+        }
+        input = next;
+    };
+    let kv = KvStats {
+        end: cache.bytes(),
+        peak: cache.peak_bytes(),
+        prefill_peak,
+        mean_active_kv_heads: plan
+            .dynamic
+            .as_ref()
+            .map(|_| active_sum as f64 / steps.max(1) as f64),
+    };
+    Ok(PolicyGeneration {
+        generation: Generation {
+            tokens,
+            stop,
+            prompt_tokens: prompt.len(),
+            prefill_secs,
+            decode_secs: t1.elapsed().as_secs_f64(),
+        },
+        kv,
+    })
+}

@@ -1,0 +1,21 @@
+//! Compression policies: which KV heads keep their whole history (static rankings or a
+//! per-step probe), which attend only to their top-k keys, which are ablated; resolved
+//! against a model ([`Plan`]) and run over the per-head cache
+//! ([`crate::model::HeadCache`]) so that the memory saved is real.
+//!
+//! - [`config`]: the policies as TOML (`policies/*.toml` are the presets);
+//! - [`plan`]: a policy resolved against one model;
+//! - [`generate()`]: generation under a plan, with its KV statistics;
+//! - [`runtime`]: the library API, [`Runtime`].
+
+pub mod config;
+pub mod generate;
+pub mod plan;
+pub mod runtime;
+
+pub use config::{Gqa, HeadChoice, PolicyConfig, Prefill, Selection};
+pub use generate::{generate, KvStats, PolicyGeneration, Prefilled};
+pub use plan::{Dynamic, DynamicSource, Plan};
+pub use runtime::{
+    GenerateOutput, GenerateRequest, GenerationStats, Prompt, Runtime, RuntimeBuilder,
+};

@@ -1,0 +1,304 @@
+//! The library entry point for serving stacks: a model with a resolved policy, and
+//! `generate` with a streaming callback and per-request statistics.
+//!
+//! ```no_run
+//! use headwise::policy::{GenerateRequest, PolicyConfig, Prompt, Runtime};
+//!
+//! let runtime = Runtime::builder()
+//!     .model("models/SmolLM2-135M-Instruct.Q4_1.gguf")
+//!     .policy(PolicyConfig::load("policies/static-locos.toml".as_ref(), &[])?)
+//!     .build()?;
+//! let request = GenerateRequest::new(Prompt::Text("The capital of France is".into()), 16);
+//! let out = runtime.generate(&request, &mut |piece| {
+//!     print!("{piece}");
+//!     true
+//! })?;
+//! eprintln!("{}", out.stats);
+//! # Ok::<(), headwise::Error>(())
+//! ```
+
+use std::fmt;
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+use crate::model::chat::ChatMessage;
+use crate::model::{
+    GenerateOptions, LoadedModel, ModelId, Numerics, Sampling, StopReason, TextStream,
+};
+use crate::policy::config::PolicyConfig;
+use crate::policy::generate::{generate, KvStats};
+use crate::policy::plan::Plan;
+use crate::{Error, Result};
+
+/// A loaded model and a resolved policy.
+pub struct Runtime {
+    lm: LoadedModel,
+    id: ModelId,
+    plan: Plan,
+}
+
+/// Builds a [`Runtime`]; every check happens in [`RuntimeBuilder::build`].
+#[derive(Debug, Clone, Default)]
+pub struct RuntimeBuilder {
+    model: Option<PathBuf>,
+    policy: Option<PolicyConfig>,
+    probe: Option<PathBuf>,
+    base: Option<PathBuf>,
+}
+
+impl RuntimeBuilder {
+    /// The GGUF model file.
+    pub fn model(mut self, path: impl Into<PathBuf>) -> Self {
+        self.model = Some(path.into());
+        self
+    }
+
+    /// The policy [default: `full`].
+    pub fn policy(mut self, policy: PolicyConfig) -> Self {
+        self.policy = Some(policy);
+        self
+    }
+
+    /// The probe card of the policy's `dynamic_heads` part (overrides the file's).
+    pub fn probe(mut self, path: impl Into<PathBuf>) -> Self {
+        self.probe = Some(path.into());
+        self
+    }
+
+    /// The folder relative paths in the policy are read from [default: the current one].
+    pub fn base_dir(mut self, path: impl Into<PathBuf>) -> Self {
+        self.base = Some(path.into());
+        self
+    }
+
+    /// Load the model and resolve the policy against it.
+    pub fn build(self) -> Result<Runtime> {
+        let path = self
+            .model
+            .ok_or_else(|| Error::invalid("model", "no model file given"))?;
+        let mut policy = self.policy.unwrap_or(PolicyConfig::Full);
+        if let Some(probe) = self.probe {
+            set_probe(&mut policy, probe)?;
+        }
+        policy.validate()?;
+        let id = ModelId::of_file(&path)?;
+        let lm = LoadedModel::load(&path, Numerics::Fast)?;
+        let base = self.base.unwrap_or_else(|| PathBuf::from("."));
+        let plan = Plan::resolve(&policy, lm.model.config(), &id, &base)?;
+        Ok(Runtime { lm, id, plan })
+    }
+}
+
+/// Put `probe` into the `dynamic_heads` part of `policy`.
+fn set_probe(policy: &mut PolicyConfig, probe: PathBuf) -> Result<()> {
+    match policy {
+        PolicyConfig::DynamicHeads { probe: p, .. } => {
+            *p = Some(probe);
+            Ok(())
+        }
+        PolicyConfig::Compose { policies } => {
+            let dynamic = policies
+                .iter_mut()
+                .find(|p| matches!(p, PolicyConfig::DynamicHeads { .. }))
+                .ok_or_else(no_dynamic)?;
+            set_probe(dynamic, probe)
+        }
+        _ => Err(no_dynamic()),
+    }
+}
+
+fn no_dynamic() -> Error {
+    Error::invalid(
+        "probe",
+        "a probe was given but the policy has no dynamic_heads part",
+    )
+}
+
+/// What to generate from.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Prompt {
+    /// Raw text (BOS added where the model expects it).
+    Text(String),
+    /// Messages rendered with the model's chat template.
+    Chat(Vec<ChatMessage>),
+    /// Token ids as they are.
+    Tokens(Vec<u32>),
+}
+
+/// One generation request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenerateRequest {
+    pub prompt: Prompt,
+    /// Tokens to generate at most.
+    pub max_tokens: usize,
+    pub sampling: Sampling,
+}
+
+impl GenerateRequest {
+    /// Greedy generation of at most `max_tokens` tokens.
+    pub fn new(prompt: Prompt, max_tokens: usize) -> Self {
+        Self {
+            prompt,
+            max_tokens,
+            sampling: Sampling::default(),
+        }
+    }
+}
+
+/// What one generation did and cost.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GenerationStats {
+    /// The policy's name.
+    pub policy: String,
+    pub prompt_tokens: usize,
+    pub generated_tokens: usize,
+    /// Prompt tokens per second (up to the first generated token).
+    pub prefill_tok_s: f64,
+    /// Tokens per second after the first.
+    pub decode_tok_s: f64,
+    /// Resident KV bytes, per tier: now, at peak, during the prefill.
+    pub kv: KvStats,
+    /// Why generation ended: `stop`, `length` or `cancelled`.
+    pub finish: String,
+}
+
+impl fmt::Display for GenerationStats {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mib = |b: usize| b as f64 / (1024.0 * 1024.0);
+        write!(
+            f,
+            "policy {}: prompt {} tokens, prefill {:.1} tok/s; generated {} tokens, decode {:.1} tok/s; \
+             KV hot {:.2} MiB (peak {:.2}), cold {:.2} MiB, prefill peak {:.2} MiB",
+            self.policy,
+            self.prompt_tokens,
+            self.prefill_tok_s,
+            self.generated_tokens,
+            self.decode_tok_s,
+            mib(self.kv.end.hot),
+            mib(self.kv.peak.hot),
+            mib(self.kv.end.cold),
+            mib(self.kv.prefill_peak),
+        )?;
+        if let Some(a) = self.kv.mean_active_kv_heads {
+            write!(f, ", {a:.1} KV heads read the cold tier per step")?;
+        }
+        Ok(())
+    }
+}
+
+/// A finished generation.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenerateOutput {
+    /// The generated text (stop tokens left out).
+    pub text: String,
+    /// Generated ids, a final stop token included.
+    pub tokens: Vec<u32>,
+    pub stats: GenerationStats,
+}
+
+impl Runtime {
+    /// Start building a runtime.
+    pub fn builder() -> RuntimeBuilder {
+        RuntimeBuilder::default()
+    }
+
+    /// The model with its tokenizer.
+    pub fn model(&self) -> &LoadedModel {
+        &self.lm
+    }
+
+    /// The model file's identity.
+    pub fn model_id(&self) -> &ModelId {
+        &self.id
+    }
+
+    /// The resolved policy.
+    pub fn plan(&self) -> &Plan {
+        &self.plan
+    }
+
+    /// The prompt's token ids.
+    pub fn encode(&self, prompt: &Prompt) -> Result<Vec<u32>> {
+        match prompt {
+            Prompt::Text(t) => self.lm.encode(t, true),
+            Prompt::Chat(m) => self.lm.chat_prompt(m),
+            Prompt::Tokens(ids) => Ok(ids.clone()),
+        }
+    }
+
+    /// Generate, handing every completed piece of text to `on_text`, which may return
+    /// `false` to stop.
+    pub fn generate(
+        &self,
+        request: &GenerateRequest,
+        on_text: &mut dyn FnMut(&str) -> bool,
+    ) -> Result<GenerateOutput> {
+        let ids = self.encode(&request.prompt)?;
+        let opts = GenerateOptions {
+            max_new: request.max_tokens,
+            sampling: request.sampling,
+            stop: self.lm.special.stop.clone(),
+        };
+        let mut stream = TextStream::default();
+        let mut text = String::new();
+        let mut failure = None;
+        let stop = &self.lm.special.stop;
+        let out = generate(
+            &self.lm.model,
+            &self.plan,
+            &ids,
+            &opts,
+            None,
+            None,
+            &mut |tok, _| {
+                if stop.contains(&tok) {
+                    return true;
+                }
+                match stream.push(&self.lm.tokenizer, tok) {
+                    Ok(Some(piece)) => {
+                        text.push_str(&piece);
+                        on_text(&piece)
+                    }
+                    Ok(None) => true,
+                    Err(e) => {
+                        failure = Some(e);
+                        false
+                    }
+                }
+            },
+        )?;
+        if let Some(e) = failure {
+            return Err(e);
+        }
+        let g = &out.generation;
+        let stats = GenerationStats {
+            policy: self.plan.name.clone(),
+            prompt_tokens: g.prompt_tokens,
+            generated_tokens: g.tokens.len(),
+            prefill_tok_s: g.prefill_tok_s(),
+            decode_tok_s: g.decode_tok_s(),
+            kv: out.kv,
+            finish: match g.stop {
+                StopReason::Stop => "stop",
+                StopReason::Length => "length",
+                StopReason::Cancelled => "cancelled",
+            }
+            .into(),
+        };
+        Ok(GenerateOutput {
+            text,
+            tokens: g.tokens.clone(),
+            stats,
+        })
+    }
+}
+
+impl fmt::Debug for Runtime {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Runtime")
+            .field("model", &self.id.name)
+            .field("policy", &self.plan.name)
+            .finish()
+    }
+}

@@ -1,0 +1,496 @@
+//! Compression policies on tiny random-weight models: equivalences that must hold
+//! exactly, streaming heads against the brute-force pass with the same visibility rule,
+//! the resident-byte accounting against a hand count, and every policy (and a
+//! composition) run end to end.
+
+mod common;
+
+use std::path::Path;
+
+use candle_core::Tensor;
+use common::{brute_force_logits, tiny_config, tiny_gemma_config, BruteEdits, Weights};
+use headwise::heads::ranking::{Provenance, Ranking};
+use headwise::heads::HeadMatrix;
+use headwise::model::{
+    generate as plain_generate, Config, GenerateOptions, Interventions, Model, ModelId, NoObserver,
+    Numerics,
+};
+use headwise::policy::{generate, Plan, PolicyConfig, PolicyGeneration, Prefilled};
+
+const PROMPT: &[u32] = &[
+    5, 17, 3, 9, 42, 42, 8, 60, 1, 33, 21, 7, 11, 2, 19, 40, 4, 12,
+];
+const NEW: usize = 10;
+
+fn id() -> ModelId {
+    ModelId {
+        name: "tiny".into(),
+        sha256: "00ff".into(),
+    }
+}
+
+fn opts() -> GenerateOptions {
+    GenerateOptions {
+        max_new: NEW,
+        ..GenerateOptions::default()
+    }
+}
+
+fn plan(model: &Model, policy: &str, base: &Path) -> Plan {
+    let policy: PolicyConfig = toml::from_str(policy).unwrap();
+    Plan::resolve(&policy, model.config(), &id(), base).unwrap()
+}
+
+/// Greedy generation under `plan`, with the logits of every step `(1, vocab)`.
+fn run(model: &Model, plan: &Plan, oracle: Option<&[Vec<f32>]>) -> (PolicyGeneration, Vec<Tensor>) {
+    let mut logits = Vec::new();
+    let g = generate(model, plan, PROMPT, &opts(), None, oracle, &mut |_, l| {
+        logits.push(l.clone());
+        true
+    })
+    .unwrap();
+    (g, logits)
+}
+
+fn max_abs(a: &[Tensor], b: &[Tensor]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| {
+            (x - y)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap()
+        })
+        .fold(0.0, f32::max)
+}
+
+fn plain(model: &Model) -> (Vec<u32>, Vec<Tensor>) {
+    let mut logits = Vec::new();
+    let g = plain_generate(
+        model,
+        PROMPT,
+        &opts(),
+        &mut NoObserver,
+        &Interventions::new(),
+        &mut |_, l| {
+            logits.push(l.clone());
+            true
+        },
+    )
+    .unwrap();
+    (g.tokens, logits)
+}
+
+fn all_heads(cfg: &Config) -> String {
+    let list: Vec<String> = (0..cfg.n_layers)
+        .flat_map(|l| (0..cfg.n_heads).map(move |h| format!("[{l}, {h}]")))
+        .collect();
+    format!("heads = {{ list = [{}] }}", list.join(", "))
+}
+
+#[test]
+fn the_full_policy_and_selecting_every_head_equal_the_plain_forward() {
+    for cfg in [tiny_config(), tiny_gemma_config()] {
+        let model = Weights::random(cfg.clone(), 11).model(Numerics::Fast);
+        let (tokens, want) = plain(&model);
+        let base = Path::new(".");
+        for policy in [
+            "type = \"full\"".to_string(),
+            format!(
+                "type = \"static_heads\"\nprefill = \"stream\"\nwindow = 2\n{}",
+                all_heads(&cfg)
+            ),
+            // a streaming head whose window is longer than the sequence keeps everything
+            "type = \"window\"\nsink = 0\nwindow = 64\nprefill = \"stream\"".into(),
+            "type = \"window\"\nsink = 0\nwindow = 64\nprefill = \"full_then_evict\"".into(),
+        ] {
+            let p = plan(&model, &policy, base);
+            let (g, got) = run(&model, &p, None);
+            assert_eq!(g.generation.tokens, tokens, "{policy}");
+            // the prefill runs with a different chunking (the prompt's last token as a
+            // decode step): equal up to float reassociation
+            let d = max_abs(&got, &want);
+            assert!(d <= 1e-5, "{policy}: {d}");
+        }
+    }
+}
+
+/// Brute-force logits of the generated sequence with streaming heads that see
+/// `sink` + `window` from query position `from` on (earlier queries see everything).
+fn brute_stream(
+    w: &Weights,
+    tokens: &[u32],
+    sink: usize,
+    window: usize,
+    from: usize,
+) -> Vec<Vec<f32>> {
+    let mut seq = PROMPT.to_vec();
+    seq.extend(&tokens[..tokens.len() - 1]);
+    let visible =
+        move |_l: usize, _h: usize, q: usize, k: usize| q < from || k < sink || k + window > q;
+    let brute = BruteEdits {
+        visible: &visible,
+        output: &|_, _| None,
+    };
+    brute_force_logits(w, &seq, &brute)[PROMPT.len() - 1..].to_vec()
+}
+
+/// Each step's logits as a row.
+fn rows(logits: &[Tensor]) -> Vec<Vec<f32>> {
+    logits
+        .iter()
+        .map(|t| t.flatten_all().unwrap().to_vec1().unwrap())
+        .collect()
+}
+
+/// Largest absolute difference between two tables of rows.
+fn row_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
+    a.iter()
+        .zip(b)
+        .flat_map(|(a, b)| a.iter().zip(b).map(|(x, y)| (x - y).abs()))
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn streaming_heads_match_the_brute_force_with_a_sink_and_window() {
+    for cfg in [tiny_config(), tiny_gemma_config()] {
+        let w = Weights::random(cfg.clone(), 12);
+        let mut model = w.model(Numerics::Fast);
+        // prefill chunks of 4: Gemma's windowed layers drop keys during the prefill, so
+        // the rings are filled from a window that starts mid-stream
+        model.set_chunk(4);
+        for (prefill, from) in [("stream", 0), ("full_then_evict", PROMPT.len() - 1)] {
+            let policy =
+                format!("type = \"window\"\nsink = 2\nwindow = 4\nprefill = \"{prefill}\"");
+            let (g, got) = run(&model, &plan(&model, &policy, Path::new(".")), None);
+            let mut want = brute_stream(&w, &g.generation.tokens, 2, 4, from);
+            // Gemma's windowed layers keep their own window (the brute force applies it);
+            // the policy's ring applies to the global layers only.
+            if cfg.sliding_window.is_some() {
+                let visible = |l: usize, _h: usize, q: usize, k: usize| {
+                    l.is_multiple_of(2) || q < from || k < 2 || k + 4 > q
+                };
+                let mut seq = PROMPT.to_vec();
+                seq.extend(&g.generation.tokens[..NEW - 1]);
+                let brute = BruteEdits {
+                    visible: &visible,
+                    output: &|_, _| None,
+                };
+                want = brute_force_logits(&w, &seq, &brute)[PROMPT.len() - 1..].to_vec();
+            }
+            let d = row_diff(&rows(&got), &want);
+            assert!(d < 1e-4, "{:?} {prefill}: {d}", cfg.architecture);
+            // and the restriction matters
+            let (_, full) = run(
+                &model,
+                &plan(&model, "type = \"full\"", Path::new(".")),
+                None,
+            );
+            let gap = row_diff(&rows(&full), &want);
+            assert!(gap > 1e-3, "{prefill}: the window must matter ({gap})");
+        }
+    }
+}
+
+#[test]
+fn resident_bytes_match_a_hand_count() {
+    // 2 layers x 2 KV heads, d_head 8, f32 keys + values: 64 bytes a position per head.
+    let cfg = tiny_config();
+    let model = Weights::random(cfg, 13).model(Numerics::Fast);
+    let positions = PROMPT.len() + NEW; // 28 reserved for a full head
+    let per_row = 2 * 8 * 4;
+    let cases = [
+        ("type = \"full\"".to_string(), 4 * positions * per_row, 0),
+        (
+            "type = \"window\"\nsink = 2\nwindow = 4".into(),
+            4 * 6 * per_row,
+            0,
+        ),
+        (
+            // query heads (0, 0) and (1, 4): KV head 0 of layer 0 and KV head 1 of layer 1
+            "type = \"static_heads\"\nsink = 2\nwindow = 4\nheads = { list = [[0, 0], [1, 4]] }"
+                .into(),
+            2 * positions * per_row + 2 * 6 * per_row,
+            0,
+        ),
+        (
+            // f16 cold tier: 2 bytes a value, 2 x 8 values a position
+            "type = \"dynamic_heads\"\noracle = true\nsink = 2\nwindow = 4\ncold = \"f16\"".into(),
+            4 * 6 * per_row,
+            4 * positions * 2 * 8 * 2,
+        ),
+        (
+            // int8: 1 byte a value plus a 4-byte scale per block of up to 32 values
+            // of a row (one block in a row of 8)
+            "type = \"dynamic_heads\"\noracle = true\nsink = 2\nwindow = 4\ncold = \"int8\"".into(),
+            4 * 6 * per_row,
+            4 * 2 * (positions * 8 + positions * 4),
+        ),
+    ];
+    let labels = vec![vec![0.0; 12]; NEW];
+    for (policy, hot, cold) in cases {
+        let p = plan(&model, &policy, Path::new("."));
+        let (g, _) = run(&model, &p, Some(&labels));
+        assert_eq!((g.kv.end.hot, g.kv.end.cold), (hot, cold), "{policy}");
+        assert!(g.kv.peak.hot >= hot);
+    }
+}
+
+#[test]
+fn dynamic_heads_read_the_cold_tier_only_when_active() {
+    let cfg = tiny_config();
+    let model = Weights::random(cfg, 14).model(Numerics::Fast);
+    let base = Path::new(".");
+    let window = plan(
+        &model,
+        "type = \"window\"\nsink = 2\nwindow = 4\nprefill = \"full_then_evict\"",
+        base,
+    );
+    let (_, ring_only) = run(&model, &window, None);
+    let (_, full) = run(&model, &plan(&model, "type = \"full\"", base), None);
+    // how far streaming alone moves the logits: the scale the cold tier's rounding is
+    // judged against
+    let gap = max_abs(&ring_only, &full);
+    assert!(gap > 0.1, "{gap}");
+    for cold in ["f16", "int8"] {
+        let p = plan(
+            &model,
+            &format!(
+                "type = \"dynamic_heads\"\noracle = true\nsink = 2\nwindow = 4\ncold = \"{cold}\""
+            ),
+            base,
+        );
+        // no head active: exactly the streaming policy
+        let (g, got) = run(&model, &p, Some(&vec![vec![0.0; 12]; NEW]));
+        assert_eq!(max_abs(&got, &ring_only), 0.0, "{cold}");
+        assert_eq!(g.kv.mean_active_kv_heads, Some(0.0));
+        // every head active: the full cache, up to the cold tier's rounding
+        let (g, got) = run(&model, &p, Some(&vec![vec![1.0; 12]; NEW]));
+        let d = max_abs(&got, &full);
+        let share = if cold == "f16" { 0.01 } else { 0.1 };
+        assert!(
+            d < share * gap,
+            "{cold}: {d} against a streaming gap of {gap}"
+        );
+        assert!(d > 0.0, "{cold}: the cold tier is compressed");
+        assert_eq!(g.kv.mean_active_kv_heads, Some(4.0));
+    }
+}
+
+#[test]
+fn a_shared_prefill_gives_the_same_generation() {
+    let model = Weights::random(tiny_config(), 15).model(Numerics::Fast);
+    let p = plan(
+        &model,
+        "type = \"window\"\nsink = 2\nwindow = 4\nprefill = \"full_then_evict\"",
+        Path::new("."),
+    );
+    let (own, a) = run(&model, &p, None);
+    let pre = Prefilled::run(&model, &p, PROMPT, PROMPT.len() + NEW).unwrap();
+    let mut b = Vec::new();
+    let shared = generate(
+        &model,
+        &p,
+        PROMPT,
+        &opts(),
+        Some(&pre),
+        None,
+        &mut |_, l| {
+            b.push(l.clone());
+            true
+        },
+    )
+    .unwrap();
+    assert_eq!(own.generation.tokens, shared.generation.tokens);
+    assert_eq!(max_abs(&a, &b), 0.0);
+    let other = generate(
+        &model,
+        &p,
+        &PROMPT[1..],
+        &opts(),
+        Some(&pre),
+        None,
+        &mut |_, _| true,
+    );
+    assert!(other.is_err());
+}
+
+/// A ranking of the tiny model's heads (score = layer + head / 10) in `dir`.
+fn write_ranking(dir: &Path, cfg: &Config) -> std::path::PathBuf {
+    let mut m = HeadMatrix::zeros(cfg.n_layers, cfg.n_heads);
+    for l in 0..cfg.n_layers {
+        for h in 0..cfg.n_heads {
+            *m.at(l, h) = l as f64 + h as f64 / 10.0;
+        }
+    }
+    let p = Provenance {
+        model: "tiny".into(),
+        model_sha256: id().sha256,
+        method: "locos".into(),
+        task: serde_json::json!({}),
+        trials_run: 1,
+        trials_accepted: 1,
+        acceptance: vec![],
+        step_source: "teacher".into(),
+        steps: 1,
+        command: "test".into(),
+    };
+    let path = dir.join("ranking.json");
+    Ranking::new(p, &m, cfg.n_kv_heads).write(&path).unwrap();
+    path
+}
+
+#[test]
+fn every_policy_and_a_composition_run_on_a_tiny_model() {
+    let cfg = tiny_config();
+    let model = Weights::random(cfg.clone(), 16).model(Numerics::Fast);
+    let dir = std::env::temp_dir().join(format!("headwise-policies-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let ranking = write_ranking(&dir, &cfg);
+    let r = ranking.display();
+    let policies = [
+        "type = \"full\"".to_string(),
+        "type = \"window\"\nsink = 1\nwindow = 3".into(),
+        format!("type = \"static_heads\"\nheads = {{ ranking = \"{r}\", select = {{ top_k = 3 }} }}\nwindow = 3"),
+        format!("type = \"static_heads\"\nheads = {{ ranking = \"{r}\", select = {{ fraction = 0.5 }} }}\ngqa = \"sum\"\nwindow = 3\nprefill = \"full_then_evict\""),
+        format!("type = \"static_heads\"\nheads = {{ ranking = \"{r}\", select = {{ threshold = 1.0 }} }}\ngqa = \"majority\"\nwindow = 3"),
+        "type = \"static_heads\"\nheads = { select = { random = { count = 4, seed = 1 } } }\nwindow = 3".into(),
+        "type = \"dynamic_heads\"\noracle = true\nwindow = 3".into(),
+        format!("type = \"topk_mask\"\nheads = {{ ranking = \"{r}\", select = {{ top_k = 2 }} }}\nk = 2\nsink = 1\nwindow = 2"),
+        "type = \"ablate\"\nheads = { list = [[1, 5]] }\nmode = \"zero-output\"".into(),
+        format!(
+            "type = \"compose\"\npolicies = [\n  {{ type = \"static_heads\", heads = {{ ranking = \"{r}\", select = {{ top_k = 3 }} }}, window = 3 }},\n  \
+             {{ type = \"topk_mask\", heads = {{ list = [[1, 0]] }}, k = 1 }},\n  {{ type = \"ablate\", heads = {{ list = [[0, 2]] }}, mode = \"uniform-attention\" }},\n]"
+        ),
+    ];
+    let labels = vec![vec![1.0; 12]; NEW];
+    let (_, full) = run(&model, &plan(&model, "type = \"full\"", &dir), None);
+    for policy in &policies {
+        let p = plan(&model, policy, &dir);
+        let (g, logits) = run(&model, &p, Some(&labels));
+        assert_eq!(g.generation.tokens.len(), NEW, "{policy}");
+        if p.name != "full" && p.name != "dynamic_oracle" {
+            assert!(max_abs(&logits, &full) > 0.0, "{policy} changes nothing");
+        }
+    }
+    // static top-3 by score: layer 1's heads 5, 4, 3 -> KV head 1 of layer 1 only
+    let p = plan(&model, &policies[2], &dir);
+    assert_eq!(p.full_kv_heads(), 1);
+    // gqa = sum: 6 of 12 heads -> ceil(6 / 3) = 2 KV heads, the two of layer 1
+    let p = plan(&model, &policies[3], &dir);
+    assert_eq!(p.full_kv_heads(), 2);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn bad_policies_fail_when_resolved_not_mid_generation() {
+    let cfg = tiny_config();
+    let model = Weights::random(cfg.clone(), 17).model(Numerics::Fast);
+    let dir = std::env::temp_dir().join(format!("headwise-badpolicies-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let ranking = write_ranking(&dir, &cfg);
+    let r = ranking.display();
+    let other = ModelId {
+        name: "other".into(),
+        sha256: "1234".into(),
+    };
+    let resolve = |text: &str, id: &ModelId| -> String {
+        let policy: PolicyConfig = toml::from_str(text).unwrap();
+        Plan::resolve(&policy, model.config(), id, &dir)
+            .unwrap_err()
+            .to_string()
+    };
+    let cases = [
+        (
+            format!("type = \"static_heads\"\nheads = {{ ranking = \"{r}\", select = {{ top_k = 3 }} }}"),
+            other.clone(),
+            "not this model",
+        ),
+        (
+            format!("type = \"static_heads\"\nheads = {{ ranking = \"{r}\", select = {{ top_k = 13 }} }}"),
+            id(),
+            "12 to choose from",
+        ),
+        (
+            "type = \"dynamic_heads\"\nprobe = \"missing.json\"".into(),
+            id(),
+            "missing.json",
+        ),
+        (
+            "type = \"static_heads\"\nheads = { list = [[2, 0]] }".into(),
+            id(),
+            "does not exist",
+        ),
+        (
+            "type = \"static_heads\"\nheads = { list = [[1, 0]] }\ngqa = \"sum\"".into(),
+            id(),
+            "sum needs",
+        ),
+    ];
+    for (text, who, want) in cases {
+        let err = resolve(&text, &who);
+        assert!(err.contains(want), "{text}: {err}");
+    }
+    // the oracle without labels is refused before any token
+    let p = plan(&model, "type = \"dynamic_heads\"\noracle = true", &dir);
+    let err = generate(&model, &p, PROMPT, &opts(), None, None, &mut |_, _| true).unwrap_err();
+    assert!(err.to_string().contains("labels"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_probe_policy_follows_its_probe_and_ignores_labels() {
+    use headwise::heads::trace::{LabelKind, Trace};
+    use headwise::probe::{train, ProbeConfig, StaticHeads, TrainOptions};
+    let cfg = tiny_config();
+    let model = Weights::random(cfg.clone(), 18).model(Numerics::Fast);
+    // a probe trained on noise: head (l, h) active when hidden feature h is positive
+    let rows = 100;
+    let features = ndarray::Array2::from_shape_fn((rows, cfg.d_model), |(r, c)| {
+        ((r * 31 + c * 17) % 13) as f32 / 6.0 - 1.0
+    });
+    let labels = ndarray::Array2::from_shape_fn((rows, 12), |(r, c)| {
+        f32::from(u8::from(features[[r, c % 6]] > 0.0))
+    });
+    let trace = Trace {
+        label_kind: LabelKind::Binary,
+        n_layers: 2,
+        n_heads: 6,
+        features,
+        labels,
+        prompt: (0..rows).map(|r| r / 5).collect(),
+        step: (0..rows).map(|r| r % 5).collect(),
+    };
+    let mut opts = TrainOptions::new("tiny", &id().sha256, serde_json::json!({"task": "unit"}));
+    opts.probe = ProbeConfig {
+        hidden: vec![8],
+        max_epochs: 2,
+        early_stopping_patience: 2,
+        ..ProbeConfig::default()
+    };
+    opts.baselines.static_heads = StaticHeads::TopK { k: 2 };
+    let probe = train(&trace, &opts, &mut |_| {}).unwrap();
+    let dir = std::env::temp_dir().join(format!("headwise-probe-policy-{}", std::process::id()));
+    let card = probe.save(&dir, "tiny").unwrap();
+    let p = plan(
+        &model,
+        &format!(
+            "type = \"dynamic_heads\"\nprobe = \"{}\"\nthreshold = 0.0\nwindow = 3",
+            card.display()
+        ),
+        &dir,
+    );
+    let (a, la) = run(&model, &p, None);
+    let (b, lb) = run(&model, &p, Some(&vec![vec![0.0; 12]; NEW]));
+    assert_eq!(max_abs(&la, &lb), 0.0);
+    // threshold 0: every head chosen at every step (the first reads the hidden state of
+    // the prompt's second-to-last position, from the prefill)
+    assert_eq!(a.kv.mean_active_kv_heads, Some(4.0));
+    assert_eq!(a.kv.mean_active_kv_heads, b.kv.mean_active_kv_heads);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
