@@ -291,7 +291,7 @@ fn a_shared_prefill_gives_the_same_generation() {
         Path::new("."),
     );
     let (own, a) = run(&model, &p, None);
-    let pre = Prefilled::run(&model, &p, PROMPT, PROMPT.len() + NEW).unwrap();
+    let pre = Prefilled::run(&model, &p.edits, PROMPT, PROMPT.len() + NEW).unwrap();
     let mut b = Vec::new();
     let shared = generate(
         &model,
@@ -493,4 +493,36 @@ fn a_probe_policy_follows_its_probe_and_ignores_labels() {
     assert_eq!(a.kv.mean_active_kv_heads, Some(4.0));
     assert_eq!(a.kv.mean_active_kv_heads, b.kv.mean_active_kv_heads);
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_chunk_over_tiered_heads_reads_the_whole_history() {
+    use headwise::model::{ColdFormat, HeadCache, KvCache, Logits, Retention};
+    let cfg = tiny_config();
+    let model = Weights::random(cfg.clone(), 19).model(Numerics::Fast);
+    let (head, tail) = PROMPT.split_at(12);
+    let none = Interventions::new();
+    let mut kv = KvCache::new(&cfg, PROMPT.len());
+    model
+        .forward(head, &mut kv, Logits::Last, &mut NoObserver, &none)
+        .unwrap();
+    let continue_with = |retention: Retention| {
+        let mut cache = HeadCache::from_kv(&cfg, &kv, &[retention; 4], PROMPT.len()).unwrap();
+        let logits = model
+            .forward_heads(tail, &mut cache, Logits::All, &mut NoObserver, &none)
+            .unwrap();
+        vec![logits]
+    };
+    let want = vec![model
+        .forward(tail, &mut kv.clone(), Logits::All, &mut NoObserver, &none)
+        .unwrap()];
+    let tiered = continue_with(Retention::Tiered {
+        sink: 2,
+        window: 3,
+        cold: ColdFormat::F16,
+    });
+    let ring = continue_with(Retention::Stream { sink: 2, window: 3 });
+    // a chunk reads the cold history (up to f16 rounding); the ring alone does not
+    let gap = max_abs(&ring, &want);
+    assert!(max_abs(&tiered, &want) < 0.01 * gap, "{gap}");
 }

@@ -36,7 +36,6 @@
 //! written by [`write_report`].
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -46,7 +45,7 @@ use indicatif::ProgressBar;
 use plotters::style::{Color, Palette, Palette99};
 use serde::{Deserialize, Serialize};
 
-use crate::eval::run::{read_json, AnswerText, Sources};
+use crate::eval::run::{append_jsonl, read_json, read_jsonl, to_json, AnswerText, Sources};
 use crate::eval::spec::TaskEntry;
 use crate::eval::Example;
 use crate::heads::trace::{record_steps, Effective, LabelKind, TraceConfig};
@@ -281,11 +280,10 @@ pub fn run(
     std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
     write_atomic(&run_json, &to_json(&info)?)?;
     let path = out.join("records.jsonl");
-    let done: BTreeSet<(String, String, String)> =
-        crate::eval::run::read_jsonl::<BudgetRecord>(&path)?
-            .iter()
-            .map(BudgetRecord::key)
-            .collect();
+    let done: BTreeSet<(String, String, String)> = read_jsonl::<BudgetRecord>(&path)?
+        .iter()
+        .map(BudgetRecord::key)
+        .collect();
     let mut file = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
@@ -309,10 +307,11 @@ pub fn run(
         }
         let max_new = fixed.unwrap_or(spec.max_new);
         let capacity = ex.prompt.len() + max_new;
+        let shares = |p: &Plan| p.prefill == Prefill::FullThenEvict && p.edits.is_empty();
         let shared = todo
             .iter()
-            .any(|(_, p)| p.prefill == Prefill::FullThenEvict)
-            .then(|| Prefilled::run(&lm.model, &plans[0].1, &ex.prompt, capacity))
+            .any(|(_, p)| shares(p))
+            .then(|| Prefilled::run(&lm.model, &Interventions::new(), &ex.prompt, capacity))
             .transpose()?;
         let oracle = match (
             &shared,
@@ -333,9 +332,8 @@ pub fn run(
                 },
                 ..GenerateOptions::default()
             };
-            let prefilled = (plan.prefill == Prefill::FullThenEvict)
-                .then_some(())
-                .and(shared.as_ref());
+            // Policies that ablate heads prefill with their own edits.
+            let prefilled = shares(plan).then_some(()).and(shared.as_ref());
             let mut answer = AnswerText::new(lm);
             let labels = plan
                 .dynamic
@@ -377,12 +375,7 @@ pub fn run(
                 prefill_tok_s: g.generation.prefill_tok_s(),
                 mean_active_kv_heads: g.kv.mean_active_kv_heads,
             };
-            let mut line = serde_json::to_string(&record)
-                .map_err(|e| Error::invalid("record", e.to_string()))?;
-            line.push('\n');
-            file.write_all(line.as_bytes())
-                .and_then(|_| file.flush())
-                .map_err(|e| Error::io(&path, e))?;
+            append_jsonl(&mut file, &path, &record)?;
             written += 1;
             if let Some(bar) = bar {
                 bar.inc(1);
@@ -423,10 +416,6 @@ fn oracle_labels(
     Ok(steps.labels)
 }
 
-fn to_json<T: Serialize>(v: &T) -> Result<Vec<u8>> {
-    serde_json::to_vec_pretty(v).map_err(|e| Error::invalid("json", e.to_string()))
-}
-
 /// A point of an accuracy plot: (series, kv_fraction, value).
 type PlotPoint = (String, f64, f64);
 
@@ -440,11 +429,10 @@ pub fn write_report(dir: &Path) -> Result<Vec<ResultRecord>> {
     let info: BudgetRun = read_json(&dir.join("run.json"))?;
     // The first record of each (task, example, policy) counts.
     let mut seen = BTreeSet::new();
-    let records: Vec<BudgetRecord> =
-        crate::eval::run::read_jsonl::<BudgetRecord>(&dir.join("records.jsonl"))?
-            .into_iter()
-            .filter(|r| seen.insert(r.key()))
-            .collect();
+    let records: Vec<BudgetRecord> = read_jsonl::<BudgetRecord>(&dir.join("records.jsonl"))?
+        .into_iter()
+        .filter(|r| seen.insert(r.key()))
+        .collect();
     if records.is_empty() {
         return Err(Error::invalid(
             "report",
@@ -458,7 +446,7 @@ pub fn write_report(dir: &Path) -> Result<Vec<ResultRecord>> {
         .iter()
         .find(|p| p.policy == PolicyConfig::Full)
         .map(|p| p.name.clone())
-        .expect("validated");
+        .ok_or_else(|| Error::invalid("report", "run.json names no `full` policy"))?;
     let full_bytes: BTreeMap<(String, String), usize> = records
         .iter()
         .filter(|r| r.policy == full_name)

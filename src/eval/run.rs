@@ -520,12 +520,7 @@ impl<'a> Runner<'a> {
                             kept: if n == 0 { kept } else { None },
                             secs: start.elapsed().as_secs_f64(),
                         };
-                        let mut line = serde_json::to_string(&record)
-                            .map_err(|e| Error::invalid("record", e.to_string()))?;
-                        line.push('\n');
-                        file.write_all(line.as_bytes())
-                            .and_then(|_| file.flush())
-                            .map_err(|e| Error::io(&path, e))?;
+                        append_jsonl(&mut file, &path, &record)?;
                         stats.generated += 1;
                     }
                     if let Some(bar) = bar {
@@ -615,7 +610,7 @@ pub fn read_json<T: serde::de::DeserializeOwned>(path: &Path) -> Result<T> {
         .map_err(|e| Error::invalid("file", format!("{}: {e}", path.display())))
 }
 
-fn to_json<T: Serialize>(v: &T) -> Result<Vec<u8>> {
+pub(crate) fn to_json<T: Serialize>(v: &T) -> Result<Vec<u8>> {
     serde_json::to_vec_pretty(v).map_err(|e| Error::invalid("json", e.to_string()))
 }
 
@@ -624,6 +619,21 @@ fn to_json<T: Serialize>(v: &T) -> Result<Vec<u8>> {
 /// an error naming the line.
 pub fn read_records(path: &Path) -> Result<Vec<ExampleRecord>> {
     read_jsonl(path)
+}
+
+/// Append `record` as one JSON line to `file` (opened for appending at `path`) and flush
+/// it, so an interrupted run loses at most the line being written.
+pub(crate) fn append_jsonl<T: Serialize>(
+    file: &mut std::fs::File,
+    path: &Path,
+    record: &T,
+) -> Result<()> {
+    let mut line =
+        serde_json::to_string(record).map_err(|e| Error::invalid("record", e.to_string()))?;
+    line.push('\n');
+    file.write_all(line.as_bytes())
+        .and_then(|_| file.flush())
+        .map_err(|e| Error::io(path, e))
 }
 
 /// [`read_records`] for any record type: one JSON value a line.

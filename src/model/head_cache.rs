@@ -405,11 +405,6 @@ impl HeadCache {
         self.len == 0
     }
 
-    /// The retention of (layer, KV head) as applied (windowed layers keep their window).
-    pub fn retention(&self, layer: usize, kv_head: usize) -> Retention {
-        self.stores[layer * self.n_kv_heads + kv_head].retention
-    }
-
     /// Mark which tiered KV heads read their cold tier at the next steps
     /// (`layer * n_kv_heads + kv_head`); other heads ignore the flag.
     pub fn set_active(&mut self, active: &[bool]) -> Result<()> {
@@ -532,15 +527,12 @@ impl HeadCache {
                 pos.push(start + t);
             }
             let n = pos.len();
-            let ring = match store.retention {
-                Retention::Stream { sink, window } => Some((sink, window)),
-                _ => None,
-            };
-            // One `(q, n)` mask serves every query head of the group; a full head's rows
+            // One `(q, n)` mask serves every query head of the group. A full head's rows
             // are positions `0..start + q` in order, so its mask is the plain causal one,
-            // shared by every full head of the chunk.
-            let mask = match ring {
-                None => match &self.causal {
+            // built once per chunk for every full head; a ring (and a tiered head, whose
+            // cold rows follow its ring's) is masked by its rows' positions.
+            let mask = match store.retention {
+                Retention::Full => match &self.causal {
                     Some((at, len, m)) if (*at, *len) == (start, q_len) => m.clone(),
                     _ => {
                         let m = ring_mask(&pos, start, q_len, None)?;
@@ -548,7 +540,10 @@ impl HeadCache {
                         m
                     }
                 },
-                Some(r) => ring_mask(&pos, start, q_len, Some(r))?,
+                Retention::Stream { sink, window } => {
+                    ring_mask(&pos, start, q_len, Some((sink, window)))?
+                }
+                Retention::Tiered { .. } => ring_mask(&pos, start, q_len, None)?,
             };
             let qg = queries.narrow(0, h * group, group)?.contiguous()?;
             let kt = Tensor::from_vec(k, (1, n, dh), &Device::Cpu)?;

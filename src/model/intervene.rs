@@ -82,7 +82,7 @@ pub struct HeadEdit {
 }
 
 /// Edits per (layer, query head), validated against a model's shape.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct Interventions {
     layers: BTreeMap<usize, BTreeMap<usize, HeadEdit>>,
 }
@@ -121,6 +121,14 @@ impl Interventions {
                 *self.head(layer, head) = edit.clone();
             }
         }
+    }
+
+    /// Whether any head has a score bias or a key restriction.
+    pub fn restricts_keys(&self) -> bool {
+        self.layers
+            .values()
+            .flat_map(|heads| heads.values())
+            .any(|e| e.bias.is_some() || e.keys.is_some())
     }
 
     /// Whether there is no edit at all.

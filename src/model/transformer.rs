@@ -301,6 +301,13 @@ impl Model {
                 "attention probabilities and values are not observable through a per-head cache",
             ));
         }
+        if edits.restricts_keys() {
+            return Err(Error::invalid(
+                "interventions",
+                "key restrictions and score biases do not apply to a per-head cache \
+                 (use a top-k policy)",
+            ));
+        }
         self.forward_store(tokens, Store::Heads(cache), logits, observer, edits)
     }
 
@@ -448,18 +455,6 @@ impl Model {
         let cache = match cache {
             Store::Plain(cache) => cache,
             Store::Heads(cache) => {
-                let span = MaskSpan {
-                    queries: start..start + q_len,
-                    keys: 0..start + q_len,
-                    window: None,
-                };
-                if edits.score_mask(layer, nh, &span)?.is_some() {
-                    return Err(Error::invalid(
-                        "interventions",
-                        "key restrictions and score biases do not apply to a per-head cache \
-                         (use a top-k policy)",
-                    ));
-                }
                 let out = cache.attend(layer, &qh, &kh.squeeze(0)?, &vh.squeeze(0)?, start)?;
                 return self.project_heads(layer, block, out, observer, edits);
             }

@@ -13,18 +13,20 @@ use candle_core::Tensor;
 use serde::{Deserialize, Serialize};
 
 use crate::model::{
-    GenerateOptions, Generation, HeadCache, KvBytes, KvCache, Logits, Model, Observer, Sampler,
-    StopReason, Wants,
+    GenerateOptions, Generation, HeadCache, Interventions, KvBytes, KvCache, Logits, Model,
+    Observer, Sampler, StopReason, Wants,
 };
 use crate::policy::config::Prefill;
 use crate::policy::plan::{DynamicSource, Plan};
 use crate::{Error, Result};
 
 /// A prompt prefilled with the plain (full) cache, all but its last token: shared by
-/// every `full_then_evict` policy run on the same prompt.
+/// every `full_then_evict` policy run on the same prompt with the same edits.
 #[derive(Debug, Clone)]
 pub struct Prefilled {
     kv: KvCache,
+    /// The edits the prompt ran with.
+    edits: Interventions,
     /// Final hidden state `(d_model,)` of the last prefilled position.
     hidden: Option<Vec<f32>>,
     /// The prompt.
@@ -33,9 +35,14 @@ pub struct Prefilled {
 }
 
 impl Prefilled {
-    /// Run `prompt[..len - 1]` through the model with full attention and the plan's
-    /// edits; `capacity` sizes the cache (prompt plus new tokens).
-    pub fn run(model: &Model, plan: &Plan, prompt: &[u32], capacity: usize) -> Result<Self> {
+    /// Run `prompt[..len - 1]` through the model with full attention and `edits`;
+    /// `capacity` sizes the cache (prompt plus new tokens).
+    pub fn run(
+        model: &Model,
+        edits: &Interventions,
+        prompt: &[u32],
+        capacity: usize,
+    ) -> Result<Self> {
         if prompt.is_empty() {
             return Err(Error::invalid("prompt", "empty (no tokens)"));
         }
@@ -44,10 +51,11 @@ impl Prefilled {
         let mut obs = LastHidden::new(true);
         if prompt.len() > 1 {
             let head = &prompt[..prompt.len() - 1];
-            model.forward(head, &mut kv, Logits::Last, &mut obs, &plan.edits)?;
+            model.forward(head, &mut kv, Logits::Last, &mut obs, edits)?;
         }
         Ok(Self {
             kv,
+            edits: edits.clone(),
             hidden: obs.hidden,
             prompt: prompt.to_vec(),
             secs: t0.elapsed().as_secs_f64(),
@@ -154,10 +162,15 @@ pub fn generate(
         Prefill::FullThenEvict => {
             let own;
             let pre = match prefilled {
-                Some(p) if p.prompt == prompt => p,
-                Some(_) => return Err(Error::invalid("prefill", "shared for another prompt")),
+                Some(p) if p.prompt == prompt && p.edits == plan.edits => p,
+                Some(_) => {
+                    return Err(Error::invalid(
+                        "prefill",
+                        "shared for another prompt or other edits",
+                    ))
+                }
                 None => {
-                    own = Prefilled::run(model, plan, prompt, capacity)?;
+                    own = Prefilled::run(model, &plan.edits, prompt, capacity)?;
                     &own
                 }
             };
@@ -195,14 +208,14 @@ pub fn generate(
     let mut tokens = Vec::with_capacity(opts.max_new);
     let mut input = *prompt.last().expect("checked non-empty");
     let mut prefill_secs = 0.0;
+    let no_labels = vec![0.0; cfg.n_layers * cfg.n_heads];
     let mut t1 = Instant::now();
     let stop = loop {
         if let Some(d) = &plan.dynamic {
             let flags = match &d.source {
                 DynamicSource::Oracle => {
                     let labels = oracle.expect("checked above");
-                    let none = vec![0.0; cfg.n_layers * cfg.n_heads];
-                    let step = labels.get(steps).unwrap_or(&none);
+                    let step = labels.get(steps).unwrap_or(&no_labels);
                     plan.active_kv_heads(step, 0.5, d.gqa)
                 }
                 DynamicSource::Probe { probe, threshold } => match &hidden {

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use crate::eval::ablation::{Calibration, HeadSet};
 use crate::heads::ranking::Ranking;
-use crate::model::{ColdFormat, Config, Interventions, ModelId, Retention, TopK};
+use crate::model::{Config, Interventions, ModelId, Retention, TopK};
 use crate::policy::config::{Gqa, HeadChoice, PolicyConfig, Prefill, Selection};
 use crate::probe::Probe;
 use crate::rng::SplitMix64;
@@ -253,14 +253,6 @@ impl Plan {
             .zip(&self.candidates)
             .filter(|(r, &c)| c && **r == Retention::Full)
             .count()
-    }
-
-    /// The cold format when the plan has a cold tier.
-    pub fn cold_format(&self) -> Option<ColdFormat> {
-        self.retention.iter().find_map(|r| match r {
-            Retention::Tiered { cold, .. } => Some(*cold),
-            _ => None,
-        })
     }
 }
 
