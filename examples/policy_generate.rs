@@ -32,8 +32,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             .policy(PolicyConfig::load(preset.as_ref(), &[])?)
             .build()?;
         print!("{preset}:");
-        let out = runtime.generate(&request, &mut |piece| {
-            print!("{piece}");
+        let out = runtime.generate(&request, &mut |step| {
+            print!("{}", step.text);
             let _ = std::io::stdout().flush();
             true
         })?;

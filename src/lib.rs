@@ -19,6 +19,7 @@ pub mod policy;
 pub mod probe;
 pub mod results;
 mod rng;
+pub mod serve;
 pub mod tasks;
 
 pub use error::{Error, Result};

@@ -44,10 +44,18 @@ fn plan(model: &Model, policy: &str, base: &Path) -> Plan {
 /// Greedy generation under `plan`, with the logits of every step `(1, vocab)`.
 fn run(model: &Model, plan: &Plan, oracle: Option<&[Vec<f32>]>) -> (PolicyGeneration, Vec<Tensor>) {
     let mut logits = Vec::new();
-    let g = generate(model, plan, PROMPT, &opts(), None, oracle, &mut |_, l| {
-        logits.push(l.clone());
-        true
-    })
+    let g = generate(
+        model,
+        plan,
+        PROMPT,
+        &opts(),
+        None,
+        oracle,
+        &mut |_, l, _| {
+            logits.push(l.clone());
+            true
+        },
+    )
     .unwrap();
     (g, logits)
 }
@@ -300,7 +308,7 @@ fn a_shared_prefill_gives_the_same_generation() {
         &opts(),
         Some(&pre),
         None,
-        &mut |_, l| {
+        &mut |_, l, _| {
             b.push(l.clone());
             true
         },
@@ -315,7 +323,7 @@ fn a_shared_prefill_gives_the_same_generation() {
         &opts(),
         Some(&pre),
         None,
-        &mut |_, _| true,
+        &mut |_, _, _| true,
     );
     assert!(other.is_err());
 }
@@ -438,7 +446,7 @@ fn bad_policies_fail_when_resolved_not_mid_generation() {
     }
     // the oracle without labels is refused before any token
     let p = plan(&model, "type = \"dynamic_heads\"\noracle = true", &dir);
-    let err = generate(&model, &p, PROMPT, &opts(), None, None, &mut |_, _| true).unwrap_err();
+    let err = generate(&model, &p, PROMPT, &opts(), None, None, &mut |_, _, _| true).unwrap_err();
     assert!(err.to_string().contains("labels"), "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
 }

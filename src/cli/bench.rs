@@ -22,6 +22,9 @@ pub enum BenchWhat {
     /// The probe's time per decode step as a fraction of one decode step of the model
     /// (needs --probe).
     Probe,
+    /// Requests/s and tokens/s of `headwise serve` on loopback at several client
+    /// concurrencies, per policy; writes a report to --out.
+    Serve,
 }
 
 #[derive(Args, Debug)]
@@ -45,6 +48,18 @@ pub struct BenchArgs {
     /// The probe card (`bench probe`), e.g. probes/<model>/niah.json.
     #[arg(long)]
     probe: Option<PathBuf>,
+    /// `bench serve`: concurrent clients, one level each.
+    #[arg(long, value_delimiter = ',', default_value = "1,4,16")]
+    concurrency: Vec<usize>,
+    /// `bench serve`: policy presets to measure (files policies/<name>.toml).
+    #[arg(long, value_delimiter = ',', default_value = "full,static-locos")]
+    policies: Vec<String>,
+    /// `bench serve`: requests per level (at least two per client).
+    #[arg(long, default_value_t = 8)]
+    requests: usize,
+    /// `bench serve`: report folder [default: eval/results/<model>/serve-bench].
+    #[arg(long)]
+    out: Option<PathBuf>,
     #[command(flatten)]
     model: ModelArgs,
 }
@@ -67,6 +82,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     }
     if args.what == Some(BenchWhat::Scoring) {
         return scoring(&args);
+    }
+    if args.what == Some(BenchWhat::Serve) {
+        return serve(&args);
     }
     if args.decode_tokens < 2 {
         anyhow::bail!(
@@ -440,4 +458,77 @@ fn probe(args: &BenchArgs) -> anyhow::Result<()> {
         100.0 * pred / step
     );
     Ok(())
+}
+
+/// `bench serve`: the server in this process, clients over loopback.
+fn serve(args: &BenchArgs) -> anyhow::Result<()> {
+    use headwise::serve::bench::{self, BenchOptions};
+    use headwise::serve::{load_engine, ServeConfig};
+    use std::collections::BTreeMap;
+    if args.concurrency.contains(&0) || args.requests == 0 {
+        anyhow::bail!("--concurrency and --requests must be at least 1");
+    }
+    let path = args.model.resolve()?;
+    let top = args.concurrency.iter().copied().max().unwrap_or(1);
+    let policies: BTreeMap<String, PathBuf> = args
+        .policies
+        .iter()
+        .filter(|p| p.as_str() != "full")
+        .map(|p| (p.clone(), PathBuf::from(format!("policies/{p}.toml"))))
+        .collect();
+    let cfg = ServeConfig {
+        model: Some(path.clone()),
+        policies: Some(policies),
+        max_concurrency: top,
+        max_queue: 0,
+        ..ServeConfig::default()
+    };
+    let engine = std::sync::Arc::new(load_engine(&cfg)?);
+    let id = headwise::model::ModelId::of_file(&path)?;
+    let opts = BenchOptions {
+        concurrency: args.concurrency.clone(),
+        policies: args.policies.clone(),
+        requests: args.requests,
+        prompt: synthetic_notes(args.prompt_tokens[0] / 17, None),
+        max_tokens: args.decode_tokens,
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    let rows = rt.block_on(bench::run(engine, &cfg, &opts, &mut |r| {
+        eprintln!(
+            "{} x{}: {} requests in {:.1} s, {:.2} req/s, {:.1} tok/s, TTFT {:.2} s",
+            r.policy,
+            r.concurrency,
+            r.requests,
+            r.wall_secs,
+            r.requests_per_s,
+            r.tokens_per_s,
+            r.mean_ttft_s
+        );
+    }))?;
+    let out = args.out.clone().unwrap_or_else(|| {
+        PathBuf::from("eval/results")
+            .join(&id.name)
+            .join("serve-bench")
+    });
+    let command = format!(
+        "headwise bench serve --concurrency {} --policies {} --requests {} --prompt-tokens {} --decode-tokens {}",
+        join(&args.concurrency),
+        args.policies.join(","),
+        args.requests,
+        args.prompt_tokens[0],
+        args.decode_tokens
+    );
+    let machine = format!(
+        "{} CPU cores",
+        std::thread::available_parallelism().map_or(0, |n| n.get())
+    );
+    bench::write_report(&out, &id, &rows, &command, &machine)?;
+    eprintln!("wrote {}", out.display());
+    Ok(())
+}
+
+fn join(v: &[usize]) -> String {
+    v.iter().map(usize::to_string).collect::<Vec<_>>().join(",")
 }

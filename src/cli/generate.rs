@@ -127,10 +127,11 @@ fn with_policy(
         prompt,
         max_tokens: args.max_tokens,
         sampling,
+        ignore_eos: false,
     };
     let mut stdout = std::io::stdout().lock();
-    let out = runtime.generate(&request, &mut |piece| {
-        let _ = write!(stdout, "{piece}");
+    let out = runtime.generate(&request, &mut |step| {
+        let _ = write!(stdout, "{}", step.text);
         let _ = stdout.flush();
         true
     })?;

@@ -8,6 +8,7 @@ mod heads;
 mod model;
 mod parity;
 mod policy;
+mod serve;
 mod trace;
 
 use std::path::{Path, PathBuf};
@@ -42,6 +43,8 @@ enum Command {
     /// Train the probes that policies use.
     #[command(subcommand)]
     Policy(policy::PolicyCommand),
+    /// Serve the model over an OpenAI-compatible HTTP API, with policies per request.
+    Serve(serve::ServeArgs),
     /// Measure prefill and decode speed and peak memory.
     Bench(bench::BenchArgs),
     /// (internal) one benchmark measurement in a fresh process.
@@ -113,6 +116,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Heads(cmd) => heads::run(cmd),
         Command::Eval(cmd) => eval::run(cmd),
         Command::Policy(cmd) => policy::run(cmd),
+        Command::Serve(args) => serve::run(args),
         Command::Bench(args) => bench::run(args),
         Command::BenchWorker(args) => bench::worker(args),
     }

@@ -347,7 +347,7 @@ pub fn run(
                 &opts,
                 prefilled,
                 labels,
-                &mut |tok, _| answer.push(tok) || fixed.is_some(),
+                &mut |tok, _, _| answer.push(tok) || fixed.is_some(),
             )?;
             let prediction = answer.finish()?;
             let scores = if fixed.is_some() {

@@ -130,8 +130,8 @@ pub struct PolicyGeneration {
 /// when given (it must be of the same prompt), else prefills itself. `oracle_labels`
 /// (per step, `layer * n_heads + head`, 1 = retrieval head) drive an oracle plan (and
 /// only an oracle plan: other plans ignore them).
-/// `on_token` sees each token with its logits `(1, vocab)` and may return `false` to
-/// stop.
+/// `on_token` sees each token with its logits `(1, vocab)` and the resident KV bytes
+/// after the step, and may return `false` to stop.
 pub fn generate(
     model: &Model,
     plan: &Plan,
@@ -139,7 +139,7 @@ pub fn generate(
     opts: &GenerateOptions,
     prefilled: Option<&Prefilled>,
     oracle_labels: Option<&[Vec<f32>]>,
-    on_token: &mut dyn FnMut(u32, &Tensor) -> bool,
+    on_token: &mut dyn FnMut(u32, &Tensor, KvBytes) -> bool,
 ) -> Result<PolicyGeneration> {
     let cfg = model.config();
     opts.check(prompt.len(), cfg.context_length)?;
@@ -242,7 +242,7 @@ pub fn generate(
             t1 = Instant::now();
         }
         tokens.push(next);
-        if !on_token(next, &logits) {
+        if !on_token(next, &logits, cache.bytes()) {
             break StopReason::Cancelled;
         }
         if opts.stop.contains(&next) {

@@ -17,5 +17,5 @@ pub use config::{Gqa, HeadChoice, PolicyConfig, Prefill, Selection};
 pub use generate::{generate, KvStats, PolicyGeneration, Prefilled};
 pub use plan::{Dynamic, DynamicSource, Plan};
 pub use runtime::{
-    GenerateOutput, GenerateRequest, GenerationStats, Prompt, Runtime, RuntimeBuilder,
+    GenerateOutput, GenerateRequest, GenerationStats, Prompt, Runtime, RuntimeBuilder, Step,
 };

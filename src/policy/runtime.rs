@@ -9,8 +9,8 @@
 //!     .policy(PolicyConfig::load("policies/static-locos.toml".as_ref(), &[])?)
 //!     .build()?;
 //! let request = GenerateRequest::new(Prompt::Text("The capital of France is".into()), 16);
-//! let out = runtime.generate(&request, &mut |piece| {
-//!     print!("{piece}");
+//! let out = runtime.generate(&request, &mut |step| {
+//!     print!("{}", step.text);
 //!     true
 //! })?;
 //! eprintln!("{}", out.stats);
@@ -18,23 +18,28 @@
 //! ```
 
 use std::fmt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use candle_core::Tensor;
 
 use serde::{Deserialize, Serialize};
 
 use crate::model::chat::ChatMessage;
 use crate::model::{
-    GenerateOptions, LoadedModel, ModelId, Numerics, Sampling, StopReason, TextStream,
+    GenerateOptions, KvBytes, LoadedModel, ModelId, Numerics, Sampling, StopReason, TextStream,
 };
 use crate::policy::config::PolicyConfig;
 use crate::policy::generate::{generate, KvStats};
 use crate::policy::plan::Plan;
 use crate::{Error, Result};
 
-/// A loaded model and a resolved policy.
+/// A loaded model and a resolved policy. Runtimes made with [`Runtime::with_policy`]
+/// share one copy of the weights.
+#[derive(Clone)]
 pub struct Runtime {
-    lm: LoadedModel,
-    id: ModelId,
+    lm: Arc<LoadedModel>,
+    id: Arc<ModelId>,
     plan: Plan,
 }
 
@@ -86,7 +91,11 @@ impl RuntimeBuilder {
         let lm = LoadedModel::load(&path, Numerics::Fast)?;
         let base = self.base.unwrap_or_else(|| PathBuf::from("."));
         let plan = Plan::resolve(&policy, lm.model.config(), &id, &base)?;
-        Ok(Runtime { lm, id, plan })
+        Ok(Runtime {
+            lm: Arc::new(lm),
+            id: Arc::new(id),
+            plan,
+        })
     }
 }
 
@@ -133,6 +142,8 @@ pub struct GenerateRequest {
     /// Tokens to generate at most.
     pub max_tokens: usize,
     pub sampling: Sampling,
+    /// Keep generating through end-of-turn tokens (always `max_tokens` tokens).
+    pub ignore_eos: bool,
 }
 
 impl GenerateRequest {
@@ -142,8 +153,23 @@ impl GenerateRequest {
             prompt,
             max_tokens,
             sampling: Sampling::default(),
+            ignore_eos: false,
         }
     }
+}
+
+/// One generated token, as the callback of [`Runtime::generate`] sees it.
+#[derive(Debug, Clone, Copy)]
+pub struct Step<'a> {
+    /// The token id.
+    pub token: u32,
+    /// The text this token completes: empty for an end-of-turn token and while a
+    /// multi-byte character is still incomplete.
+    pub text: &'a str,
+    /// Logits `(1, vocab)` the token was drawn from.
+    pub logits: &'a Tensor,
+    /// Resident KV bytes after the step.
+    pub kv: KvBytes,
 }
 
 /// What one generation did and cost.
@@ -218,6 +244,18 @@ impl Runtime {
         &self.plan
     }
 
+    /// The same model (shared, not reloaded) under another policy; relative paths in
+    /// it are read from `base`.
+    pub fn with_policy(&self, policy: &PolicyConfig, base: &Path) -> Result<Runtime> {
+        policy.validate()?;
+        let plan = Plan::resolve(policy, self.lm.model.config(), &self.id, base)?;
+        Ok(Runtime {
+            lm: Arc::clone(&self.lm),
+            id: Arc::clone(&self.id),
+            plan,
+        })
+    }
+
     /// The prompt's token ids.
     pub fn encode(&self, prompt: &Prompt) -> Result<Vec<u32>> {
         match prompt {
@@ -227,23 +265,27 @@ impl Runtime {
         }
     }
 
-    /// Generate, handing every completed piece of text to `on_text`, which may return
+    /// Generate, handing every token with its text to `on_step`, which may return
     /// `false` to stop.
     pub fn generate(
         &self,
         request: &GenerateRequest,
-        on_text: &mut dyn FnMut(&str) -> bool,
+        on_step: &mut dyn FnMut(&Step) -> bool,
     ) -> Result<GenerateOutput> {
         let ids = self.encode(&request.prompt)?;
+        let stop = &self.lm.special.stop;
         let opts = GenerateOptions {
             max_new: request.max_tokens,
             sampling: request.sampling,
-            stop: self.lm.special.stop.clone(),
+            stop: if request.ignore_eos {
+                Vec::new()
+            } else {
+                stop.clone()
+            },
         };
         let mut stream = TextStream::default();
         let mut text = String::new();
         let mut failure = None;
-        let stop = &self.lm.special.stop;
         let out = generate(
             &self.lm.model,
             &self.plan,
@@ -251,21 +293,26 @@ impl Runtime {
             &opts,
             None,
             None,
-            &mut |tok, _| {
-                if stop.contains(&tok) {
-                    return true;
-                }
-                match stream.push(&self.lm.tokenizer, tok) {
-                    Ok(Some(piece)) => {
-                        text.push_str(&piece);
-                        on_text(&piece)
+            &mut |token, logits, kv| {
+                let piece = if stop.contains(&token) {
+                    None
+                } else {
+                    match stream.push(&self.lm.tokenizer, token) {
+                        Ok(piece) => piece,
+                        Err(e) => {
+                            failure = Some(e);
+                            return false;
+                        }
                     }
-                    Ok(None) => true,
-                    Err(e) => {
-                        failure = Some(e);
-                        false
-                    }
-                }
+                };
+                let piece = piece.unwrap_or_default();
+                text.push_str(&piece);
+                on_step(&Step {
+                    token,
+                    text: &piece,
+                    logits,
+                    kv,
+                })
             },
         )?;
         if let Some(e) = failure {

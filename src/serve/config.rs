@@ -1,0 +1,190 @@
+//! The server's settings, read with figment: built-in defaults, then the TOML file
+//! (`--config`), then `HEADWISE_SERVE_*` variables, then the command line; the API keys
+//! also from `HEADWISE_API_KEY`.
+//!
+//! ```toml
+//! host = "127.0.0.1"
+//! port = 8080
+//! default_policy = "full"
+//! max_concurrency = 2
+//! api_keys = ["sk-local-1"]
+//!
+//! [policies]
+//! static-locos = "policies/static-locos.toml"
+//! ```
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use figment::providers::{Env, Format, Serialized, Toml};
+use figment::Figment;
+use serde::{Deserialize, Serialize};
+
+use crate::{Error, Result};
+
+/// The preset every server has, with no file: the plain full cache.
+pub const FULL: &str = "full";
+
+/// The presets offered when the config names none: `policies/<name>.toml` under the
+/// base folder, each skipped with a warning when it does not resolve for the model.
+pub const DEFAULT_PRESETS: [&str; 4] = ["streaming", "static-locos", "static-wu", "dynamic-probe"];
+
+/// Everything `headwise serve` can be told.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ServeConfig {
+    /// Address to bind; loopback unless told otherwise.
+    pub host: String,
+    /// Port to bind (0: any free port, printed at start).
+    pub port: u16,
+    /// The GGUF model file (the command line resolves the default model).
+    pub model: Option<PathBuf>,
+    /// The model's name in the API [default: the file's stem].
+    pub served_model_name: Option<String>,
+    /// Policy presets requests may choose, name to TOML file; `full` is always there.
+    /// `None`: `full` plus whichever of [`DEFAULT_PRESETS`] resolve.
+    pub policies: Option<BTreeMap<String, PathBuf>>,
+    /// The preset of requests that name none.
+    pub default_policy: String,
+    /// Folder the preset files (and the rankings and probes they name) are read from.
+    pub base_dir: PathBuf,
+    /// Bearer tokens accepted; empty: no authentication.
+    pub api_keys: Vec<String>,
+    /// Generations running at once.
+    pub max_concurrency: usize,
+    /// Requests waiting for a free slot before new ones get 429.
+    pub max_queue: usize,
+    /// Largest request body accepted, in bytes.
+    pub max_body_bytes: usize,
+    /// Seconds a request may take, queueing included.
+    pub request_timeout_secs: f64,
+    /// Seconds in-flight requests get to finish after SIGTERM before they are cancelled.
+    pub shutdown_grace_secs: f64,
+    /// Largest `max_tokens` a request may ask for.
+    pub max_tokens_limit: usize,
+    /// `max_tokens` of requests that give none (capped at `max_tokens_limit`).
+    pub default_max_tokens: usize,
+}
+
+impl Default for ServeConfig {
+    fn default() -> Self {
+        Self {
+            host: "127.0.0.1".into(),
+            port: 8080,
+            model: None,
+            served_model_name: None,
+            policies: None,
+            default_policy: FULL.into(),
+            base_dir: PathBuf::from("."),
+            api_keys: Vec::new(),
+            max_concurrency: 2,
+            max_queue: 16,
+            max_body_bytes: 1 << 20,
+            request_timeout_secs: 300.0,
+            shutdown_grace_secs: 10.0,
+            max_tokens_limit: 2048,
+            default_max_tokens: 256,
+        }
+    }
+}
+
+impl ServeConfig {
+    /// Defaults, then `file` (if any), then `HEADWISE_SERVE_*` and `HEADWISE_API_KEY`.
+    pub fn load(file: Option<&Path>) -> Result<Self> {
+        let mut fig = Figment::from(Serialized::defaults(ServeConfig::default()));
+        if let Some(path) = file {
+            if !path.is_file() {
+                return Err(Error::invalid(
+                    "config",
+                    format!("{}: no such file", path.display()),
+                ));
+            }
+            fig = fig.merge(Toml::file(path));
+        }
+        fig = fig.merge(Env::prefixed("HEADWISE_SERVE_"));
+        let mut cfg: ServeConfig = fig.extract().map_err(|e| {
+            let where_ = file
+                .map(|p| format!("{}: ", p.display()))
+                .unwrap_or_default();
+            Error::invalid(
+                "config",
+                format!("{where_}{}", e.to_string().replace('\n', "; ")),
+            )
+        })?;
+        if let Ok(key) = std::env::var("HEADWISE_API_KEY") {
+            if !key.is_empty() {
+                cfg.api_keys.push(key);
+            }
+        }
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Reject settings the server cannot run with.
+    pub fn validate(&self) -> Result<()> {
+        let positive = [
+            ("max_concurrency", self.max_concurrency),
+            ("max_body_bytes", self.max_body_bytes),
+            ("max_tokens_limit", self.max_tokens_limit),
+            ("default_max_tokens", self.default_max_tokens),
+        ];
+        for (name, v) in positive {
+            if v == 0 {
+                return Err(Error::invalid(name, "0 (must be at least 1)"));
+            }
+        }
+        for (name, v) in [
+            ("request_timeout_secs", self.request_timeout_secs),
+            ("shutdown_grace_secs", self.shutdown_grace_secs),
+        ] {
+            if !(v.is_finite() && v >= 0.0) {
+                return Err(Error::invalid(name, format!("{v} (must be >= 0)")));
+            }
+        }
+        if self.api_keys.iter().any(|k| k.is_empty()) {
+            return Err(Error::invalid("api_keys", "an empty key"));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn file_overrides_defaults_and_bad_values_fail() {
+        let dir = std::env::temp_dir().join(format!("headwise-serve-cfg-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("serve.toml");
+        std::fs::write(
+            &path,
+            "port = 9000\nmax_concurrency = 4\n[policies]\nsl = \"policies/static-locos.toml\"\n",
+        )
+        .unwrap();
+        let cfg = ServeConfig::load(Some(&path)).unwrap();
+        assert_eq!(cfg.port, 9000);
+        assert_eq!(cfg.max_concurrency, 4);
+        assert_eq!(cfg.host, "127.0.0.1");
+        assert_eq!(cfg.policies.unwrap().len(), 1);
+
+        std::fs::write(&path, "max_concurrency = 0\n").unwrap();
+        let err = ServeConfig::load(Some(&path)).unwrap_err().to_string();
+        assert!(err.contains("max_concurrency"), "{err}");
+        std::fs::write(&path, "colour = 3\n").unwrap();
+        let err = ServeConfig::load(Some(&path)).unwrap_err().to_string();
+        assert!(err.contains("colour"), "{err}");
+        assert!(ServeConfig::load(Some(&dir.join("missing.toml"))).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn the_example_file_states_the_defaults() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("headwise.toml");
+        let mut cfg = ServeConfig::load(Some(&path)).unwrap();
+        assert_eq!(cfg.policies.take().unwrap().len(), 3);
+        cfg.api_keys
+            .retain(|_| std::env::var("HEADWISE_API_KEY").is_err());
+        assert_eq!(cfg, ServeConfig::default());
+    }
+}

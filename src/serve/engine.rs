@@ -1,0 +1,413 @@
+//! Admission and execution of generations: a bounded queue in front of a fixed number
+//! of generation slots, each generation on its own blocking thread, its output sent to
+//! the request's handler as [`Event`]s. A generation stops early when its client goes
+//! away, its deadline passes or the server shuts down; its KV cache is freed when it
+//! returns, and the metrics follow it step by step.
+//!
+//! Sequences are not batched: each runs its own single-sequence decode, and at most
+//! `max_concurrency` run at once, sharing the CPU cores.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::http::StatusCode;
+use prometheus_client::metrics::gauge::Gauge;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+use tokio::sync::Semaphore;
+
+use crate::policy::{GenerateRequest, Runtime, Step};
+use crate::serve::api::{ApiError, HeadwiseUsage, TokenLogprob, TopLogprob, Usage};
+use crate::serve::config::ServeConfig;
+use crate::serve::metrics::Metrics;
+use crate::serve::stop::StopMatcher;
+
+/// Most alternatives per token a request may ask for.
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// One generation to run.
+#[derive(Debug, Clone)]
+pub struct Job {
+    /// The preset's name (a key of the engine's runtimes).
+    pub policy: String,
+    /// The request, its prompt already as token ids.
+    pub request: GenerateRequest,
+    /// Stop strings.
+    pub stops: Vec<String>,
+    /// Return log-probabilities, with this many alternatives per token.
+    pub top_logprobs: Option<usize>,
+}
+
+/// What a running generation reports.
+#[derive(Debug, Clone)]
+pub enum Event {
+    /// Released text and the log-probabilities of the tokens it came from (when asked).
+    Text {
+        text: String,
+        logprobs: Vec<TokenLogprob>,
+    },
+    /// The end: `stop` or `length`, and what it cost.
+    Done { finish: &'static str, usage: Usage },
+    /// The generation failed or was cut short (timeout, shutdown).
+    Failed(ApiError),
+}
+
+/// The model under every allowed policy, and the queue in front of it.
+#[derive(Debug)]
+pub struct Engine {
+    model_name: String,
+    runtimes: BTreeMap<String, Runtime>,
+    default_policy: String,
+    /// Slots plus queue places: a request that gets none is refused with 429.
+    admission: Arc<Semaphore>,
+    /// Generation slots.
+    slots: Arc<Semaphore>,
+    timeout: Duration,
+    /// Limits on `max_tokens`.
+    pub max_tokens_limit: usize,
+    pub default_max_tokens: usize,
+    metrics: Arc<Metrics>,
+    draining: AtomicBool,
+    abort: AtomicBool,
+    next_id: AtomicU64,
+    /// Slots plus queue places.
+    capacity: usize,
+}
+
+impl Engine {
+    /// An engine serving `runtimes` (preset name to runtime, all over the same model)
+    /// under the queue and time limits of `cfg`.
+    pub fn new(
+        model_name: String,
+        runtimes: BTreeMap<String, Runtime>,
+        cfg: &ServeConfig,
+    ) -> crate::Result<Self> {
+        if !runtimes.contains_key(&cfg.default_policy) {
+            return Err(crate::Error::invalid(
+                "default_policy",
+                format!(
+                    "`{}` is not among the policies ({})",
+                    cfg.default_policy,
+                    runtimes.keys().cloned().collect::<Vec<_>>().join(", ")
+                ),
+            ));
+        }
+        Ok(Self {
+            model_name,
+            runtimes,
+            default_policy: cfg.default_policy.clone(),
+            admission: Arc::new(Semaphore::new(cfg.max_concurrency + cfg.max_queue)),
+            slots: Arc::new(Semaphore::new(cfg.max_concurrency)),
+            timeout: Duration::from_secs_f64(cfg.request_timeout_secs),
+            max_tokens_limit: cfg.max_tokens_limit,
+            default_max_tokens: cfg.default_max_tokens.min(cfg.max_tokens_limit),
+            metrics: Arc::new(Metrics::default()),
+            draining: AtomicBool::new(false),
+            abort: AtomicBool::new(false),
+            next_id: AtomicU64::new(1),
+            capacity: cfg.max_concurrency + cfg.max_queue,
+        })
+    }
+
+    /// The model's name in the API.
+    pub fn model_name(&self) -> &str {
+        &self.model_name
+    }
+
+    /// The allowed presets.
+    pub fn policies(&self) -> impl Iterator<Item = &str> {
+        self.runtimes.keys().map(String::as_str)
+    }
+
+    /// The metrics.
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    /// A fresh response id with `prefix`.
+    pub fn next_id(&self, prefix: &str) -> String {
+        format!("{prefix}-{}", self.next_id.fetch_add(1, Ordering::Relaxed))
+    }
+
+    /// The runtime of preset `name` (the default when `None`), or a 400 naming the
+    /// allowed ones.
+    pub fn runtime(&self, name: Option<&str>) -> Result<(&str, &Runtime), ApiError> {
+        let name = name.unwrap_or(&self.default_policy);
+        self.runtimes
+            .get_key_value(name)
+            .map(|(k, v)| (k.as_str(), v))
+            .ok_or_else(|| {
+                ApiError::invalid(
+                    Some("headwise.policy"),
+                    format!(
+                        "unknown policy `{name}` (allowed: {})",
+                        self.policies().collect::<Vec<_>>().join(", ")
+                    ),
+                )
+                .with_code("policy_not_allowed")
+            })
+    }
+
+    /// Whether the server is shutting down.
+    pub fn draining(&self) -> bool {
+        self.draining.load(Ordering::SeqCst)
+    }
+
+    /// Refuse new requests from now on.
+    pub fn drain(&self) {
+        self.draining.store(true, Ordering::SeqCst);
+    }
+
+    /// Cut every running generation short at its next token.
+    pub fn abort_all(&self) {
+        self.abort.store(true, Ordering::SeqCst);
+    }
+
+    /// Requests admitted and not yet finished (queued or running).
+    pub fn in_flight(&self) -> usize {
+        self.capacity - self.admission.available_permits()
+    }
+
+    /// Admit `job` and start it when a slot is free: 429 when the queue is full, 503
+    /// while shutting down, 504 when the deadline passes in the queue. The receiver
+    /// gets the generation's events; dropping it cancels the generation.
+    pub async fn submit(self: &Arc<Self>, job: Job) -> Result<UnboundedReceiver<Event>, ApiError> {
+        let start = Instant::now();
+        let deadline = start + self.timeout;
+        if self.draining() {
+            return Err(shutting_down());
+        }
+        let admitted = Arc::clone(&self.admission)
+            .try_acquire_owned()
+            .map_err(|_| {
+                ApiError::new(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    "rate_limit_error",
+                    "the server is at capacity; retry later",
+                )
+                .with_code("queue_full")
+            })?;
+        let slot = {
+            let _queued = GaugeGuard::inc(&self.metrics.queue_depth);
+            tokio::time::timeout_at(deadline.into(), Arc::clone(&self.slots).acquire_owned()).await
+        };
+        let slot = match slot {
+            Ok(Ok(slot)) => slot,
+            Ok(Err(_)) => return Err(shutting_down()),
+            Err(_) => {
+                self.metrics.cancel("timeout");
+                return Err(timed_out());
+            }
+        };
+        if self.draining() {
+            return Err(shutting_down());
+        }
+        let queue_secs = start.elapsed().as_secs_f64();
+        let (tx, rx) = unbounded_channel();
+        let engine = Arc::clone(self);
+        tokio::task::spawn_blocking(move || {
+            let last = engine.run(job, deadline, queue_secs, &tx);
+            // Free the slot before the client hears of the end, so that it can send
+            // its next request at once.
+            drop((slot, admitted));
+            if let Some(event) = last {
+                let _ = tx.send(event);
+            }
+        });
+        Ok(rx)
+    }
+
+    /// Run `job` on this thread, sending its text events to `tx`; returns the final
+    /// event (none when the client has gone).
+    fn run(
+        &self,
+        job: Job,
+        deadline: Instant,
+        queue_secs: f64,
+        tx: &UnboundedSender<Event>,
+    ) -> Option<Event> {
+        let rt = match self.runtime(Some(&job.policy)) {
+            Ok((_, rt)) => rt,
+            Err(e) => return Some(Event::Failed(e)),
+        };
+        let _active = GaugeGuard::inc(&self.metrics.active_sequences);
+        let mut kv = KvTracker::new(self.metrics.kv(&job.policy));
+        let mut matcher = StopMatcher::new(job.stops);
+        let mut logprobs = Vec::new();
+        let mut cut = None;
+        let result = rt.generate(&job.request, &mut |step| {
+            kv.set(step.kv.total());
+            if let Some(n) = job.top_logprobs {
+                match token_logprob(rt, step, n) {
+                    Ok(lp) => logprobs.push(lp),
+                    Err(_) => return false,
+                }
+            }
+            let text = matcher.push(step.text);
+            if !text.is_empty() {
+                let event = Event::Text {
+                    text,
+                    logprobs: std::mem::take(&mut logprobs),
+                };
+                if tx.send(event).is_err() {
+                    cut = Some("disconnect");
+                    return false;
+                }
+            }
+            cut = if tx.is_closed() {
+                Some("disconnect")
+            } else if self.abort.load(Ordering::SeqCst) {
+                Some("shutdown")
+            } else if Instant::now() >= deadline {
+                Some("timeout")
+            } else {
+                None
+            };
+            cut.is_none() && !matcher.stopped()
+        });
+        // The generation's cache is gone once `generate` has returned.
+        kv.set(0);
+        let out = match result {
+            Ok(out) => out,
+            Err(e) => return Some(Event::Failed(e.into())),
+        };
+        self.metrics
+            .prompt_tokens
+            .inc_by(out.stats.prompt_tokens as u64);
+        self.metrics
+            .completion_tokens
+            .inc_by(out.stats.generated_tokens as u64);
+        if let Some(reason) = cut {
+            self.metrics.cancel(reason);
+            return match reason {
+                "timeout" => Some(Event::Failed(timed_out())),
+                "shutdown" => Some(Event::Failed(shutting_down())),
+                _ => None,
+            };
+        }
+        let rest = matcher.finish();
+        if !rest.is_empty() || !logprobs.is_empty() {
+            let _ = tx.send(Event::Text {
+                text: rest,
+                logprobs,
+            });
+        }
+        let s = &out.stats;
+        let usage = Usage {
+            prompt_tokens: s.prompt_tokens,
+            completion_tokens: s.generated_tokens,
+            total_tokens: s.prompt_tokens + s.generated_tokens,
+            headwise: HeadwiseUsage {
+                policy: job.policy.clone(),
+                kv_bytes: s.kv.end.hot,
+                kv_cold_bytes: s.kv.end.cold,
+                kv_peak_bytes: s.kv.peak.total(),
+                kv_prefill_peak_bytes: s.kv.prefill_peak,
+                prefill_tok_s: s.prefill_tok_s,
+                decode_tok_s: s.decode_tok_s,
+                queue_secs,
+            },
+        };
+        let finish = if matcher.stopped() || s.finish == "stop" {
+            "stop"
+        } else {
+            "length"
+        };
+        Some(Event::Done { finish, usage })
+    }
+}
+
+fn shutting_down() -> ApiError {
+    ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "server_error",
+        "the server is shutting down",
+    )
+    .with_code("shutting_down")
+}
+
+fn timed_out() -> ApiError {
+    ApiError::new(
+        StatusCode::GATEWAY_TIMEOUT,
+        "timeout_error",
+        "the request took longer than the server's request timeout",
+    )
+    .with_code("timeout")
+}
+
+/// Increments a gauge now and decrements it when dropped (also when a waiting
+/// request's future is dropped).
+struct GaugeGuard<'a>(&'a Gauge);
+
+impl<'a> GaugeGuard<'a> {
+    fn inc(g: &'a Gauge) -> Self {
+        g.inc();
+        Self(g)
+    }
+}
+
+impl Drop for GaugeGuard<'_> {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
+/// One generation's share of a KV gauge.
+struct KvTracker {
+    gauge: Gauge,
+    held: i64,
+}
+
+impl KvTracker {
+    fn new(gauge: Gauge) -> Self {
+        Self { gauge, held: 0 }
+    }
+
+    fn set(&mut self, bytes: usize) {
+        let bytes = bytes as i64;
+        self.gauge.inc_by(bytes - self.held);
+        self.held = bytes;
+    }
+}
+
+impl Drop for KvTracker {
+    fn drop(&mut self) {
+        self.set(0);
+    }
+}
+
+/// The log-probability of the step's token and of the `n` likeliest tokens, from the
+/// log-softmax of the model's logits (before temperature and top-p).
+fn token_logprob(rt: &Runtime, step: &Step, n: usize) -> crate::Result<TokenLogprob> {
+    let logits: Vec<f32> = step
+        .logits
+        .flatten_all()?
+        .to_dtype(candle_core::DType::F32)?
+        .to_vec1()?;
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let log_z = max + logits.iter().map(|&l| (l - max).exp()).sum::<f32>().ln();
+    let mut order: Vec<u32> = (0..logits.len() as u32).collect();
+    let n = n.min(order.len());
+    let by_logit = |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]);
+    if n > 0 && n < order.len() {
+        order.select_nth_unstable_by(n - 1, by_logit);
+    }
+    order.truncate(n);
+    order.sort_by(by_logit);
+    let entry = |id: u32| -> crate::Result<TopLogprob> {
+        let token = rt.model().decode(&[id])?;
+        Ok(TopLogprob {
+            bytes: token.as_bytes().to_vec(),
+            token,
+            logprob: logits[id as usize] - log_z,
+        })
+    };
+    let own = entry(step.token)?;
+    Ok(TokenLogprob {
+        token: own.token,
+        logprob: own.logprob,
+        bytes: own.bytes,
+        top_logprobs: order.into_iter().map(entry).collect::<crate::Result<_>>()?,
+    })
+}

@@ -1,0 +1,138 @@
+//! The server's Prometheus metrics (`GET /metrics`, text format).
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+
+/// Requests by route and HTTP status.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RequestLabels {
+    pub endpoint: String,
+    pub status: String,
+}
+
+/// A label with the policy preset's name.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PolicyLabel {
+    pub policy: String,
+}
+
+/// Why a generation was cut short: `disconnect`, `timeout` or `shutdown`.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReasonLabel {
+    pub reason: String,
+}
+
+/// Every metric, registered once.
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    pub requests: Family<RequestLabels, Counter>,
+    pub prompt_tokens: Counter,
+    pub completion_tokens: Counter,
+    /// Admitted requests waiting for a generation slot.
+    pub queue_depth: Gauge,
+    /// Generations running.
+    pub active_sequences: Gauge,
+    /// KV bytes (hot + cold) held by running generations, per policy.
+    pub kv_resident_bytes: Family<PolicyLabel, Gauge>,
+    pub cancelled: Family<ReasonLabel, Counter>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        let mut registry = Registry::with_prefix("headwise");
+        let requests = Family::<RequestLabels, Counter>::default();
+        let prompt_tokens = Counter::default();
+        let completion_tokens = Counter::default();
+        let queue_depth = Gauge::default();
+        let active_sequences = Gauge::default();
+        let kv_resident_bytes = Family::<PolicyLabel, Gauge>::default();
+        let cancelled = Family::<ReasonLabel, Counter>::default();
+        registry.register(
+            "requests",
+            "HTTP requests by endpoint and status",
+            requests.clone(),
+        );
+        registry.register(
+            "prompt_tokens",
+            "Prompt tokens of finished generations",
+            prompt_tokens.clone(),
+        );
+        registry.register(
+            "completion_tokens",
+            "Generated tokens of finished generations",
+            completion_tokens.clone(),
+        );
+        registry.register(
+            "queue_depth",
+            "Requests waiting for a generation slot",
+            queue_depth.clone(),
+        );
+        registry.register(
+            "active_sequences",
+            "Generations running",
+            active_sequences.clone(),
+        );
+        registry.register(
+            "kv_resident_bytes",
+            "KV cache bytes held by running generations",
+            kv_resident_bytes.clone(),
+        );
+        registry.register(
+            "cancelled",
+            "Generations cut short, by reason",
+            cancelled.clone(),
+        );
+        Self {
+            registry,
+            requests,
+            prompt_tokens,
+            completion_tokens,
+            queue_depth,
+            active_sequences,
+            kv_resident_bytes,
+            cancelled,
+        }
+    }
+}
+
+impl Metrics {
+    /// Count a response.
+    pub fn request(&self, endpoint: &str, status: u16) {
+        self.requests
+            .get_or_create(&RequestLabels {
+                endpoint: endpoint.into(),
+                status: status.to_string(),
+            })
+            .inc();
+    }
+
+    /// The KV gauge of `policy`.
+    pub fn kv(&self, policy: &str) -> Gauge {
+        self.kv_resident_bytes
+            .get_or_create(&PolicyLabel {
+                policy: policy.into(),
+            })
+            .clone()
+    }
+
+    /// Count a cut-short generation.
+    pub fn cancel(&self, reason: &str) {
+        self.cancelled
+            .get_or_create(&ReasonLabel {
+                reason: reason.into(),
+            })
+            .inc();
+    }
+
+    /// The text exposition.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        encode(&mut out, &self.registry).expect("writing to a String cannot fail");
+        out
+    }
+}
