@@ -17,6 +17,7 @@ pub mod perplexity;
 mod plot;
 pub mod policy;
 pub mod probe;
+pub mod rag;
 pub mod results;
 mod rng;
 pub mod serve;

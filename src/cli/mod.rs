@@ -8,6 +8,7 @@ mod heads;
 mod model;
 mod parity;
 mod policy;
+mod retriever;
 mod serve;
 mod trace;
 
@@ -43,6 +44,9 @@ enum Command {
     /// Train the probes that policies use.
     #[command(subcommand)]
     Policy(policy::PolicyCommand),
+    /// Build, serve and query BM25 passage indexes for retrieval.
+    #[command(subcommand)]
+    Retriever(retriever::RetrieverCommand),
     /// Serve the model over an OpenAI-compatible HTTP API, with policies per request.
     Serve(serve::ServeArgs),
     /// Measure prefill and decode speed and peak memory.
@@ -116,6 +120,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Heads(cmd) => heads::run(cmd),
         Command::Eval(cmd) => eval::run(cmd),
         Command::Policy(cmd) => policy::run(cmd),
+        Command::Retriever(cmd) => retriever::run(cmd),
         Command::Serve(args) => serve::run(args),
         Command::Bench(args) => bench::run(args),
         Command::BenchWorker(args) => bench::worker(args),

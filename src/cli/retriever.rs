@@ -1,0 +1,131 @@
+//! `headwise retriever`: build a BM25 index from a corpus, serve it over the
+//! Elasticsearch `_search` subset, and search it (embedded or over HTTP).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::{Args, Subcommand};
+use headwise::rag::corpus::{self, CorpusFormat};
+use headwise::rag::{search_server, Bm25Index, HttpRetriever, Retriever};
+
+#[derive(Subcommand, Debug)]
+pub enum RetrieverCommand {
+    /// Index a corpus (JSONL `{"id", "title", "text"}`, or the paragraph pool of a
+    /// HotpotQA or MuSiQue file) into a new folder.
+    Index(IndexArgs),
+    /// Serve an index over HTTP (`POST /{name}/_search`, Elasticsearch's match query).
+    Serve(ServeArgs),
+    /// Print the best passages for a query.
+    Search(SearchArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct IndexArgs {
+    /// The corpus file.
+    corpus: PathBuf,
+    /// What the file is.
+    #[arg(long, value_enum, default_value = "jsonl")]
+    format: CorpusFormat,
+    /// The index folder to create (must not exist or be empty).
+    #[arg(long)]
+    out: PathBuf,
+}
+
+#[derive(Args, Debug)]
+pub struct ServeArgs {
+    /// The index folder.
+    #[arg(long)]
+    index: PathBuf,
+    /// The index name in the URL.
+    #[arg(long, default_value = "wiki")]
+    name: String,
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port, 0 for any free one (printed at start).
+    #[arg(long, default_value_t = 9200)]
+    port: u16,
+}
+
+#[derive(Args, Debug)]
+pub struct SearchArgs {
+    /// The query text.
+    query: String,
+    /// Search this index folder...
+    #[arg(long, conflicts_with = "url", required_unless_present = "url")]
+    index: Option<PathBuf>,
+    /// ...or this service (e.g. http://127.0.0.1:9200).
+    #[arg(long)]
+    url: Option<String>,
+    /// The index name at --url.
+    #[arg(long, default_value = "wiki")]
+    name: String,
+    /// Passages to return.
+    #[arg(long, default_value_t = 3)]
+    k: usize,
+    /// Seconds per HTTP request.
+    #[arg(long, default_value_t = 10.0)]
+    timeout: f64,
+}
+
+pub fn run(cmd: RetrieverCommand) -> anyhow::Result<()> {
+    match cmd {
+        RetrieverCommand::Index(a) => {
+            let passages = corpus::read(&a.corpus, a.format)?;
+            let index = Bm25Index::build(&a.out, &passages)?;
+            eprintln!(
+                "indexed {} passages into {} (corpus sha256 {})",
+                index.meta().passages,
+                a.out.display(),
+                index.meta().corpus_sha256
+            );
+            Ok(())
+        }
+        RetrieverCommand::Serve(a) => {
+            let index = Arc::new(Bm25Index::open(&a.index)?);
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()?;
+            rt.block_on(async move {
+                let listener = tokio::net::TcpListener::bind((a.host.as_str(), a.port))
+                    .await
+                    .map_err(|e| anyhow::anyhow!("cannot bind {}:{}: {e}", a.host, a.port))?;
+                eprintln!(
+                    "serving index `{}` ({} passages) on http://{}",
+                    a.name,
+                    index.meta().passages,
+                    listener.local_addr()?
+                );
+                axum::serve(listener, search_server::router(index, &a.name))
+                    .with_graceful_shutdown(super::serve::shutdown_signal())
+                    .await?;
+                Ok(())
+            })
+        }
+        RetrieverCommand::Search(a) => {
+            if !(a.timeout.is_finite() && a.timeout > 0.0) {
+                anyhow::bail!("--timeout must be a positive number of seconds");
+            }
+            let retriever: Box<dyn Retriever> = match (&a.index, &a.url) {
+                (Some(dir), _) => Box::new(Bm25Index::open(dir)?),
+                (None, Some(url)) => Box::new(HttpRetriever::new(
+                    url,
+                    &a.name,
+                    Duration::from_secs_f64(a.timeout),
+                )?),
+                (None, None) => anyhow::bail!("give --index DIR or --url URL"),
+            };
+            for (i, hit) in retriever.search(&a.query, a.k)?.iter().enumerate() {
+                println!(
+                    "{}. [{}] {} ({:.2}): {}",
+                    i + 1,
+                    hit.id,
+                    hit.title,
+                    hit.score,
+                    hit.text
+                );
+            }
+            Ok(())
+        }
+    }
+}

@@ -1,0 +1,264 @@
+//! The embedded BM25 retriever: a tantivy index of `title` and `text`, searched with a
+//! match query (any query term, BM25-scored over both fields), like Elasticsearch's
+//! `match` that DRAGIN sends.
+//!
+//! An index folder holds tantivy's files and `headwise-index.json` (schema version, the
+//! corpus's sha256 and passage count), written last, so a folder without it is not an
+//! index.
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use tantivy::collector::TopDocs;
+use tantivy::query::{BooleanQuery, Occur, Query, TermQuery};
+use tantivy::schema::{Field, IndexRecordOption, Schema, Value, STORED, STRING, TEXT};
+use tantivy::{doc, Index, IndexReader, TantivyDocument, Term};
+
+use crate::rag::corpus::Passage;
+use crate::rag::retriever::{Hit, Retriever};
+use crate::results::write_atomic;
+use crate::{Error, Result};
+
+/// Version of the index layout below.
+pub const INDEX_SCHEMA_VERSION: u32 = 1;
+const META: &str = "headwise-index.json";
+
+/// What an index folder says about itself.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct IndexMeta {
+    pub schema_version: u32,
+    pub passages: usize,
+    /// sha256 of the passages as indexed (id, title, text).
+    pub corpus_sha256: String,
+}
+
+/// An open tantivy index.
+pub struct Bm25Index {
+    index: Index,
+    reader: IndexReader,
+    id: Field,
+    title: Field,
+    text: Field,
+    meta: IndexMeta,
+}
+
+impl std::fmt::Debug for Bm25Index {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Bm25Index")
+            .field("meta", &self.meta)
+            .finish()
+    }
+}
+
+fn schema() -> (Schema, Field, Field, Field) {
+    let mut b = Schema::builder();
+    let id = b.add_text_field("id", STRING | STORED);
+    let title = b.add_text_field("title", TEXT | STORED);
+    let text = b.add_text_field("text", TEXT | STORED);
+    (b.build(), id, title, text)
+}
+
+fn tantivy_err(what: &str) -> impl Fn(tantivy::TantivyError) -> Error + '_ {
+    move |e| Error::invalid("index", format!("{what}: {e}"))
+}
+
+/// sha256 over every passage's id, title and text.
+fn corpus_sha256(passages: &[Passage]) -> String {
+    let mut h = Sha256::new();
+    for p in passages {
+        for part in [&p.id, &p.title, &p.text] {
+            h.update((part.len() as u64).to_le_bytes());
+            h.update(part.as_bytes());
+        }
+    }
+    format!("{:x}", h.finalize())
+}
+
+impl Bm25Index {
+    /// Index `passages` into the (new or empty) folder `dir`.
+    pub fn build(dir: &Path, passages: &[Passage]) -> Result<Self> {
+        if passages.is_empty() {
+            return Err(Error::invalid("corpus", "no passages (empty corpus)"));
+        }
+        if dir.read_dir().is_ok_and(|mut d| d.next().is_some()) {
+            return Err(Error::invalid(
+                "index",
+                format!("{}: not empty (remove it to rebuild)", dir.display()),
+            ));
+        }
+        std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+        let (schema, id, title, text) = schema();
+        let index = Index::create_in_dir(dir, schema).map_err(tantivy_err("create"))?;
+        let mut writer = index
+            .writer::<TantivyDocument>(50_000_000)
+            .map_err(tantivy_err("writer"))?;
+        for p in passages {
+            writer
+                .add_document(
+                    doc!(id => p.id.as_str(), title => p.title.as_str(), text => p.text.as_str()),
+                )
+                .map_err(tantivy_err("add"))?;
+        }
+        writer.commit().map_err(tantivy_err("commit"))?;
+        let meta = IndexMeta {
+            schema_version: INDEX_SCHEMA_VERSION,
+            passages: passages.len(),
+            corpus_sha256: corpus_sha256(passages),
+        };
+        let json = serde_json::to_string_pretty(&meta)
+            .map_err(|e| Error::invalid("index", e.to_string()))?;
+        write_atomic(&dir.join(META), json.as_bytes())?;
+        Self::open(dir)
+    }
+
+    /// Open an index folder written by [`Bm25Index::build`].
+    pub fn open(dir: &Path) -> Result<Self> {
+        let meta_path = dir.join(META);
+        let meta: IndexMeta = std::fs::read(&meta_path)
+            .map_err(|e| Error::io(&meta_path, e))
+            .and_then(|b| {
+                serde_json::from_slice(&b)
+                    .map_err(|e| Error::invalid("index", format!("{}: {e}", meta_path.display())))
+            })?;
+        if meta.schema_version != INDEX_SCHEMA_VERSION {
+            return Err(Error::invalid(
+                "index",
+                format!(
+                    "{}: schema version {} (this build reads {INDEX_SCHEMA_VERSION}; rebuild it)",
+                    dir.display(),
+                    meta.schema_version
+                ),
+            ));
+        }
+        let index = Index::open_in_dir(dir).map_err(tantivy_err("open"))?;
+        let s = index.schema();
+        let field = |name: &str| {
+            s.get_field(name).map_err(|_| {
+                Error::invalid("index", format!("{}: no field `{name}`", dir.display()))
+            })
+        };
+        let (id, title, text) = (field("id")?, field("title")?, field("text")?);
+        let reader = index.reader().map_err(tantivy_err("reader"))?;
+        Ok(Self {
+            index,
+            reader,
+            id,
+            title,
+            text,
+            meta,
+        })
+    }
+
+    /// What the folder says about the index.
+    pub fn meta(&self) -> &IndexMeta {
+        &self.meta
+    }
+
+    /// The match query: every token of `query` (as each field's analyzer cuts it) as a
+    /// should-clause over `title` and `text`.
+    fn query(&self, query: &str) -> Result<Box<dyn Query>> {
+        let mut clauses: Vec<(Occur, Box<dyn Query>)> = Vec::new();
+        for field in [self.title, self.text] {
+            let mut analyzer = self
+                .index
+                .tokenizer_for_field(field)
+                .map_err(tantivy_err("tokenizer"))?;
+            let mut stream = analyzer.token_stream(query);
+            while stream.advance() {
+                let term = Term::from_field_text(field, &stream.token().text);
+                clauses.push((
+                    Occur::Should,
+                    Box::new(TermQuery::new(term, IndexRecordOption::WithFreqs)),
+                ));
+            }
+        }
+        Ok(Box::new(BooleanQuery::new(clauses)))
+    }
+}
+
+impl Retriever for Bm25Index {
+    fn search(&self, query: &str, k: usize) -> Result<Vec<Hit>> {
+        if k == 0 {
+            return Ok(Vec::new());
+        }
+        let searcher = self.reader.searcher();
+        let q = self.query(query)?;
+        let top = searcher
+            .search(&q, &TopDocs::with_limit(k).order_by_score())
+            .map_err(tantivy_err("search"))?;
+        top.into_iter()
+            .map(|(score, addr)| {
+                let doc: TantivyDocument = searcher.doc(addr).map_err(tantivy_err("fetch"))?;
+                let get = |f: Field| {
+                    doc.get_first(f)
+                        .and_then(|v| v.as_str())
+                        .unwrap_or_default()
+                        .to_string()
+                };
+                Ok(Hit {
+                    id: get(self.id),
+                    title: get(self.title),
+                    text: get(self.text),
+                    score,
+                })
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn passages() -> Vec<Passage> {
+        let p = |id: &str, title: &str, text: &str| Passage {
+            id: id.into(),
+            title: title.into(),
+            text: text.into(),
+        };
+        vec![
+            p(
+                "a",
+                "Lisbon",
+                "Lisbon is the capital and largest city of Portugal.",
+            ),
+            p(
+                "b",
+                "Oslo",
+                "Oslo is the capital of Norway, on the Oslofjord.",
+            ),
+            p(
+                "c",
+                "Kyoto",
+                "Kyoto was the imperial capital of Japan for over a thousand years.",
+            ),
+        ]
+    }
+
+    #[test]
+    fn the_passage_a_query_is_copied_from_comes_first() {
+        let dir = std::env::temp_dir().join(format!("headwise-bm25-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let index = Bm25Index::build(&dir, &passages()).unwrap();
+        let hits = index.search("imperial capital of Japan", 3).unwrap();
+        assert_eq!(hits[0].id, "c");
+        assert!(hits.windows(2).all(|w| w[0].score >= w[1].score));
+        // Query syntax characters are plain text to a match query.
+        assert_eq!(
+            index.search("Norway: (Oslofjord\" AND", 1).unwrap()[0].id,
+            "b"
+        );
+        assert!(index.search("zzzz", 3).unwrap().is_empty());
+        // Reopened from disk, same answers; a second build into the folder is refused.
+        let again = Bm25Index::open(&dir).unwrap();
+        assert_eq!(again.meta().passages, 3);
+        assert_eq!(
+            again.search("largest city of Portugal", 1).unwrap()[0].id,
+            "a"
+        );
+        assert!(Bm25Index::build(&dir, &passages()).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert!(Bm25Index::open(&dir).is_err());
+    }
+}

@@ -1,0 +1,230 @@
+//! Retrieval for RAG: the BM25 index over HotpotQA's paragraph pool finds a paragraph
+//! from a sentence copied out of it; `headwise retriever serve` on loopback, queried by
+//! the HTTP retriever, answers what the embedded index answers; bad corpora, a service
+//! that refuses connections, one that answers garbage and one that keeps failing give
+//! clear errors.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use headwise::rag::corpus::{self, CorpusFormat};
+use headwise::rag::{Bm25Index, HttpRetriever, Retriever};
+
+fn scratch(tag: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("headwise-rag-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn headwise(args: &[&str]) -> (i32, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_headwise"))
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// `headwise retriever serve` on a free port, killed when dropped.
+struct SearchServer(Child, String);
+
+impl SearchServer {
+    fn start(index: &std::path::Path) -> Self {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_headwise"))
+            .args([
+                "retriever",
+                "serve",
+                "--port",
+                "0",
+                "--name",
+                "hotpot",
+                "--index",
+            ])
+            .arg(index)
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+        let line = lines.next().unwrap().unwrap();
+        let addr = line
+            .split("on http://")
+            .nth(1)
+            .expect(&line)
+            .trim()
+            .to_string();
+        SearchServer(child, format!("http://{addr}"))
+    }
+}
+
+impl Drop for SearchServer {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+fn bm25_finds_copied_sentences_and_http_serves_the_same_answers() {
+    let Some(data) = common::data_dir() else {
+        eprintln!("SKIPPED: no evaluation data");
+        return;
+    };
+    let hotpot = data.join("hotpotqa/hotpot_dev_distractor_200.jsonl");
+    let dir = scratch("index");
+    let out = dir.join("index");
+    let (code, err) = headwise(&[
+        "retriever",
+        "index",
+        hotpot.to_str().unwrap(),
+        "--format",
+        "hotpotqa",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let passages = corpus::read(&hotpot, CorpusFormat::Hotpotqa).unwrap();
+    assert!(passages.len() > 1500, "{}", passages.len());
+    let index = Bm25Index::open(&out).unwrap();
+    assert_eq!(index.meta().passages, passages.len());
+
+    // A sentence-sized piece of a paragraph finds that paragraph first.
+    let mut found = 0;
+    let probes: Vec<_> = passages.iter().step_by(40).take(40).collect();
+    for p in &probes {
+        let words: Vec<&str> = p.text.split_whitespace().collect();
+        let query = words[..words.len().min(20)].join(" ");
+        let hits = index.search(&query, 3).unwrap();
+        found += usize::from(hits[0].text == p.text);
+    }
+    assert!(
+        found >= probes.len() - 1,
+        "{found} of {} first",
+        probes.len()
+    );
+
+    // Over HTTP, from the real server: the same passages in the same order.
+    let server = SearchServer::start(&out);
+    let http = HttpRetriever::new(&server.1, "hotpot", Duration::from_secs(10)).unwrap();
+    for q in [
+        "Which magazine was started first, Arthur's Magazine or First for Women?",
+        "Scott Derrickson nationality director",
+        "",
+    ] {
+        let a = index.search(q, 3).unwrap();
+        let b = http.search(q, 3).unwrap();
+        let ids = |h: &[headwise::rag::Hit]| h.iter().map(|x| x.id.clone()).collect::<Vec<_>>();
+        assert_eq!(ids(&a), ids(&b), "{q}");
+        for (x, y) in a.iter().zip(&b) {
+            assert_eq!((&x.title, &x.text), (&y.title, &y.text));
+            assert!((x.score - y.score).abs() < 1e-4);
+        }
+    }
+    let wrong = HttpRetriever::new(&server.1, "nope", Duration::from_secs(10)).unwrap();
+    let err = wrong.search("x", 3).unwrap_err().to_string();
+    assert!(
+        err.contains("404") && err.contains("index_not_found"),
+        "{err}"
+    );
+    let (code, err) = headwise(&[
+        "retriever",
+        "search",
+        "Arthur's Magazine",
+        "--url",
+        &server.1,
+        "--name",
+        "hotpot",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn bad_corpora_fail_with_one_line_naming_the_problem() {
+    let dir = scratch("bad");
+    let empty = dir.join("empty.jsonl");
+    std::fs::write(&empty, "").unwrap();
+    let no_text = dir.join("no-text.jsonl");
+    std::fs::write(&no_text, "{\"text\": \"fine\"}\n{\"title\": \"T\"}\n").unwrap();
+    for (file, says) in [(&empty, "empty corpus"), (&no_text, "no-text.jsonl:2")] {
+        let out = dir.join(format!(
+            "idx-{}",
+            file.file_stem().unwrap().to_string_lossy()
+        ));
+        let (code, err) = headwise(&[
+            "retriever",
+            "index",
+            file.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+        assert_eq!(code, 1, "{err}");
+        assert!(
+            err.starts_with("error: ") && err.contains(says) && err.lines().count() == 1,
+            "{err}"
+        );
+    }
+    let (code, err) = headwise(&["retriever", "search", "x", "--index", dir.to_str().unwrap()]);
+    assert_eq!(code, 1);
+    assert!(err.contains("headwise-index.json"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A loopback service that answers every request with `reply`, counting requests.
+fn fake_service(reply: &'static str) -> (String, Arc<AtomicUsize>) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let count = Arc::new(AtomicUsize::new(0));
+    let seen = Arc::clone(&count);
+    std::thread::spawn(move || {
+        for stream in listener.incoming().take(16) {
+            let mut s = stream.unwrap();
+            let mut buf = [0u8; 4096];
+            let _ = s.read(&mut buf);
+            seen.fetch_add(1, Ordering::SeqCst);
+            let _ = s.write_all(reply.as_bytes());
+        }
+    });
+    (url, count)
+}
+
+#[test]
+fn a_service_that_refuses_fails_or_answers_garbage_gives_a_clear_error() {
+    // A port nobody listens on.
+    let closed = {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        format!("http://{}", l.local_addr().unwrap())
+    };
+    let mut r = HttpRetriever::new(&closed, "wiki", Duration::from_secs(2)).unwrap();
+    r.backoff = Duration::from_millis(10);
+    let err = r.search("x", 3).unwrap_err().to_string();
+    assert!(err.contains("cannot connect"), "{err}");
+
+    let (url, _) =
+        fake_service("HTTP/1.1 200 OK\r\nContent-Length: 5\r\nConnection: close\r\n\r\nhello");
+    let err = HttpRetriever::new(&url, "wiki", Duration::from_secs(5))
+        .unwrap()
+        .search("x", 3)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("malformed response"), "{err}");
+
+    // 503 every time: the first try and two retries, then the error.
+    let (url, count) = fake_service(
+        "HTTP/1.1 503 Service Unavailable\r\nContent-Length: 4\r\nConnection: close\r\n\r\nbusy",
+    );
+    let mut r = HttpRetriever::new(&url, "wiki", Duration::from_secs(5)).unwrap();
+    r.backoff = Duration::from_millis(10);
+    let err = r.search("x", 3).unwrap_err().to_string();
+    assert!(err.contains("503"), "{err}");
+    assert_eq!(count.load(Ordering::SeqCst), 3);
+}
