@@ -228,3 +228,193 @@ fn a_service_that_refuses_fails_or_answers_garbage_gives_a_clear_error() {
     assert!(err.contains("503"), "{err}");
     assert_eq!(count.load(Ordering::SeqCst), 3);
 }
+
+mod dragin_loop {
+    use super::*;
+    use headwise::model::{LoadedModel, Numerics};
+    use headwise::rag::dragin::{
+        answer, prompt_text, AnswerOptions, OnRetrieverError, QueryConfig, RagConfig,
+    };
+    use headwise::rag::qa::QaItem;
+    use headwise::rag::text::Stopwords;
+    use headwise::rag::trigger::TriggerConfig;
+    use headwise::rag::Passage;
+
+    fn passage(id: &str, title: &str, text: &str) -> Passage {
+        Passage {
+            id: id.into(),
+            title: title.into(),
+            text: text.into(),
+        }
+    }
+
+    fn item() -> QaItem {
+        QaItem {
+            id: "q1".into(),
+            question: "Which river flows through the capital of Portugal?".into(),
+            answers: vec!["Tagus".into()],
+            paragraphs: vec![passage("g", "Lisbon", "Lisbon lies on the Tagus river.")],
+        }
+    }
+
+    fn index() -> Bm25Index {
+        Bm25Index::in_memory(&[
+            passage(
+                "a",
+                "Lisbon",
+                "Lisbon, the capital of Portugal, lies where the Tagus river meets the Atlantic.",
+            ),
+            passage("b", "Oslo", "Oslo is the capital of Norway."),
+            passage(
+                "c",
+                "Porto",
+                "Porto stands on the Douro river in northern Portugal.",
+            ),
+        ])
+        .unwrap()
+    }
+
+    fn cfg(trigger: TriggerConfig, cap: usize) -> RagConfig {
+        RagConfig {
+            trigger,
+            query: QueryConfig::Qfs { words: 8 },
+            context: headwise::rag::dragin::ContextMode::Retrieved,
+            passages: 2,
+            max_retrievals: cap,
+            on_retriever_error: OnRetrieverError::Continue,
+        }
+    }
+
+    const OPTS: AnswerOptions = AnswerOptions {
+        max_new: 16,
+        chat: true,
+    };
+
+    #[test]
+    fn a_trigger_at_token_three_retrieves_once_per_cap_and_rind_queries_are_words() {
+        let lm = LoadedModel::load(&common::real_model(), Numerics::Fast).unwrap();
+        let stop = Stopwords::from_words(["the", "of", "which", "through", "is", "a"]);
+        let idx = index();
+        for cap in [1, 2] {
+            let a = answer(
+                &lm,
+                &item(),
+                &cfg(TriggerConfig::EveryN { n: 3 }, cap),
+                Some(&idx),
+                &stop,
+                None,
+                OPTS,
+            )
+            .unwrap();
+            assert_eq!(a.retrievals.len(), cap, "{a:?}");
+            for r in &a.retrievals {
+                assert_eq!(r.at_token, 3, "{a:?}");
+                assert_eq!(r.ids.len(), 2);
+                assert!(
+                    !r.query.is_empty() && !r.query.contains("<|"),
+                    "{:?}",
+                    r.query
+                );
+            }
+            // The segment before each retrieval is thrown away from the triggering
+            // sentence on, and regenerated: more tokens than the answer kept.
+            assert!(a.generated_tokens > 3 * cap, "{a:?}");
+        }
+        let never = answer(
+            &lm,
+            &item(),
+            &cfg(TriggerConfig::Never, 3),
+            Some(&idx),
+            &stop,
+            None,
+            OPTS,
+        )
+        .unwrap();
+        assert!(never.retrievals.is_empty());
+        // A zero threshold fires at the first content word that later tokens attend to.
+        let rind = answer(
+            &lm,
+            &item(),
+            &cfg(TriggerConfig::Rind { threshold: 0.0 }, 1),
+            Some(&idx),
+            &stop,
+            None,
+            OPTS,
+        )
+        .unwrap();
+        assert_eq!(rind.retrievals.len(), 1, "{rind:?}");
+        let once = RagConfig {
+            query: QueryConfig::Question,
+            ..cfg(TriggerConfig::Once, 1)
+        };
+        let once = answer(&lm, &item(), &once, Some(&idx), &stop, None, OPTS).unwrap();
+        assert_eq!(once.retrievals[0].query, item().question);
+        assert_eq!(once.retrievals[0].ids[0], "a");
+    }
+
+    #[test]
+    fn prompts_hold_the_passages_question_and_kept_text() {
+        let p = prompt_text(&item(), &[passage("a", "Lisbon", "On the Tagus.")], " The");
+        assert!(p.starts_with("Answer the question using the paragraphs below."));
+        assert!(p.contains("Lisbon: On the Tagus.\n\nQuestion: Which river"));
+        assert!(p.ends_with("?\nAnswer: The"));
+        assert!(prompt_text(&item(), &[], "").starts_with("Answer the question. Reply"));
+    }
+
+    #[test]
+    fn a_dead_retriever_is_skipped_or_fails_by_configuration() {
+        let lm = LoadedModel::load(&common::real_model(), Numerics::Fast).unwrap();
+        let closed = {
+            let l = TcpListener::bind("127.0.0.1:0").unwrap();
+            format!("http://{}", l.local_addr().unwrap())
+        };
+        let mut http = HttpRetriever::new(&closed, "wiki", Duration::from_secs(2)).unwrap();
+        http.retries = 0;
+        let stop = Stopwords::from_words(["the"]);
+        let c = cfg(TriggerConfig::EveryN { n: 2 }, 2);
+        let a = answer(&lm, &item(), &c, Some(&http), &stop, None, OPTS).unwrap();
+        assert!(a.retrievals.is_empty());
+        assert_eq!(a.retriever_errors.len(), 1, "{a:?}");
+        assert!(a.retriever_errors[0].contains("cannot connect"));
+        let fail = RagConfig {
+            on_retriever_error: OnRetrieverError::Fail,
+            ..c
+        };
+        let err = answer(&lm, &item(), &fail, Some(&http), &stop, None, OPTS).unwrap_err();
+        assert!(err.to_string().contains("cannot connect"), "{err}");
+        let nan = cfg(
+            TriggerConfig::Rind {
+                threshold: f32::NAN,
+            },
+            1,
+        );
+        assert!(answer(&lm, &item(), &nan, Some(&http), &stop, None, OPTS).is_err());
+    }
+}
+
+#[test]
+fn a_spec_with_a_nan_threshold_is_refused_before_any_work() {
+    let dir = scratch("spec");
+    let spec = dir.join("rag.toml");
+    std::fs::write(
+        &spec,
+        "name = \"x\"\nmodel = \"smollm2-135m\"\n[[task]]\nname = \"hotpotqa\"\n\
+         file = \"hotpotqa/hotpot_dev_distractor_200.jsonl\"\nformat = \"hotpotqa\"\n\
+         [[variant]]\nname = \"rind\"\nrag = { trigger = { type = \"rind\", threshold = nan } }\n",
+    )
+    .unwrap();
+    let (code, err) = headwise(&[
+        "eval",
+        "rag",
+        spec.to_str().unwrap(),
+        "--out",
+        dir.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.starts_with("error: ") && err.contains("`rind`") && err.contains("NaN"),
+        "{err}"
+    );
+    assert_eq!(err.lines().count(), 1, "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use clap::Subcommand;
+use clap::{Args, Subcommand};
 use headwise::eval::kv_budget::{self, BudgetSpec};
 use headwise::eval::report::write_report;
 use headwise::eval::run::{RunOptions, Runner, Shard};
@@ -43,26 +43,33 @@ pub enum EvalCommand {
     },
     /// Run a KV-budget sweep (accuracy and speed of compression policies against resident
     /// KV bytes; resumes an interrupted run), then write its report.
-    KvBudget {
-        /// The spec file (TOML), e.g. `eval/kv-budget-smollm2.toml`.
-        spec: PathBuf,
-        /// At most this many examples per task (the first ones).
-        #[arg(long)]
-        limit: Option<usize>,
-        /// Results root: the run writes to `<out>/<model>/<spec name>/`.
-        #[arg(long, default_value = "eval/results")]
-        out: PathBuf,
-        /// Another data directory than the spec's.
-        #[arg(long, env = "HEADWISE_DATA_DIR")]
-        data_dir: Option<PathBuf>,
-        #[command(flatten)]
-        model: ModelArgs,
-    },
+    KvBudget(SweepArgs),
     /// (Re)write the report of a KV-budget folder from its records.
     KvReport {
         /// The run folder (`eval/results/<model>/<name>`).
         dir: PathBuf,
     },
+    /// Run a RAG experiment (closed book, all paragraphs, retrieval triggers; resumes an
+    /// interrupted run), then write its report.
+    Rag(SweepArgs),
+}
+
+/// The arguments of the sweeps that run a spec against one model.
+#[derive(Args, Debug)]
+pub struct SweepArgs {
+    /// The spec file (TOML), e.g. `eval/kv-budget-smollm2.toml`, `eval/rag-smollm2.toml`.
+    spec: PathBuf,
+    /// At most this many examples per task (the first ones).
+    #[arg(long)]
+    limit: Option<usize>,
+    /// Results root: the run writes to `<out>/<model>/<spec name>/`.
+    #[arg(long, default_value = "eval/results")]
+    out: PathBuf,
+    /// Another data directory than the spec's.
+    #[arg(long, env = "HEADWISE_DATA_DIR")]
+    data_dir: Option<PathBuf>,
+    #[command(flatten)]
+    model: ModelArgs,
 }
 
 pub fn run(cmd: EvalCommand) -> anyhow::Result<()> {
@@ -115,13 +122,13 @@ pub fn run(cmd: EvalCommand) -> anyhow::Result<()> {
             report(runner.out_dir().to_path_buf())
         }
         EvalCommand::Report { dir } => report(dir),
-        EvalCommand::KvBudget {
+        EvalCommand::KvBudget(SweepArgs {
             spec,
             limit,
             out,
             data_dir,
             model,
-        } => {
+        }) => {
             let mut spec = BudgetSpec::load(&spec)?;
             if data_dir.is_some() {
                 spec.data_dir = data_dir;
@@ -143,7 +150,40 @@ pub fn run(cmd: EvalCommand) -> anyhow::Result<()> {
             kv_report(dir)
         }
         EvalCommand::KvReport { dir } => kv_report(dir),
+        EvalCommand::Rag(args) => rag(args),
     }
+}
+
+fn rag(args: SweepArgs) -> anyhow::Result<()> {
+    use headwise::rag::eval::{self as rag_eval, RagSpec};
+    let SweepArgs {
+        spec,
+        limit,
+        out,
+        data_dir,
+        model,
+    } = args;
+    let spec = RagSpec::load(&spec)?;
+    let data_dir = data_dir
+        .or_else(|| spec.data_dir.clone())
+        .unwrap_or_else(|| PathBuf::from("../shared/data"));
+    let path = model.or_model(&spec.model).resolve()?;
+    let id = ModelId::of_file(&path)?;
+    let lm = LoadedModel::load(&path, Numerics::Fast)?;
+    let dir = out.join(&id.name).join(&spec.name);
+    let bar = ProgressBar::new(0).with_style(
+        ProgressStyle::with_template("{bar:40} {pos}/{len} answers, {elapsed} elapsed, ETA {eta}")
+            .expect("a valid template"),
+    );
+    let n = rag_eval::run(&spec, &lm, &id, &data_dir, &dir, limit, Some(&bar))?;
+    bar.finish_and_clear();
+    let summary = rag_eval::write_report(&dir, &spec, &id, &command_line())?;
+    eprintln!(
+        "{n} answers generated; wrote {} summary numbers and README.md to {}",
+        summary.len(),
+        dir.display()
+    );
+    Ok(())
 }
 
 fn command_line() -> String {

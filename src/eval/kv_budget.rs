@@ -45,7 +45,9 @@ use indicatif::ProgressBar;
 use plotters::style::{Color, Palette, Palette99};
 use serde::{Deserialize, Serialize};
 
-use crate::eval::run::{append_jsonl, read_json, read_jsonl, to_json, AnswerText, Sources};
+use crate::eval::run::{
+    append_jsonl, open_append, read_json, read_jsonl, to_json, AnswerText, Sources,
+};
 use crate::eval::spec::TaskEntry;
 use crate::eval::Example;
 use crate::heads::trace::{record_steps, Effective, LabelKind, TraceConfig};
@@ -284,11 +286,7 @@ pub fn run(
         .iter()
         .map(BudgetRecord::key)
         .collect();
-    let mut file = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(&path)
-        .map_err(|e| Error::io(&path, e))?;
+    let mut file = open_append(&path)?;
     if let Some(bar) = bar {
         bar.set_length((work.len() * plans.len()) as u64);
     }

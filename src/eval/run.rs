@@ -467,11 +467,7 @@ impl<'a> Runner<'a> {
             .into_iter()
             .map(|r| (r.key(), r))
             .collect();
-        let mut file = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&path)
-            .map_err(|e| Error::io(&path, e))?;
+        let mut file = open_append(&path)?;
         let mut stats = RunStats::default();
         let t0 = Instant::now();
         let mode = self.spec.mode.name().to_string();
@@ -619,6 +615,15 @@ pub(crate) fn to_json<T: Serialize>(v: &T) -> Result<Vec<u8>> {
 /// an error naming the line.
 pub fn read_records(path: &Path) -> Result<Vec<ExampleRecord>> {
     read_jsonl(path)
+}
+
+/// Open a records file for appending, creating it if missing.
+pub(crate) fn open_append(path: &Path) -> Result<std::fs::File> {
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .map_err(|e| Error::io(path, e))
 }
 
 /// Append `record` as one JSON line to `file` (opened for appending at `path`) and flush

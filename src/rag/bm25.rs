@@ -63,6 +63,27 @@ fn tantivy_err(what: &str) -> impl Fn(tantivy::TantivyError) -> Error + '_ {
     move |e| Error::invalid("index", format!("{what}: {e}"))
 }
 
+/// Add `passages` to the empty `index` and commit; what the index then holds.
+fn fill(index: &Index, passages: &[Passage]) -> Result<IndexMeta> {
+    let (_, id, title, text) = schema();
+    let mut writer = index
+        .writer::<TantivyDocument>(50_000_000)
+        .map_err(tantivy_err("writer"))?;
+    for p in passages {
+        writer
+            .add_document(
+                doc!(id => p.id.as_str(), title => p.title.as_str(), text => p.text.as_str()),
+            )
+            .map_err(tantivy_err("add"))?;
+    }
+    writer.commit().map_err(tantivy_err("commit"))?;
+    Ok(IndexMeta {
+        schema_version: INDEX_SCHEMA_VERSION,
+        passages: passages.len(),
+        corpus_sha256: corpus_sha256(passages),
+    })
+}
+
 /// sha256 over every passage's id, title and text.
 fn corpus_sha256(passages: &[Passage]) -> String {
     let mut h = Sha256::new();
@@ -88,28 +109,24 @@ impl Bm25Index {
             ));
         }
         std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
-        let (schema, id, title, text) = schema();
+        let (schema, ..) = schema();
         let index = Index::create_in_dir(dir, schema).map_err(tantivy_err("create"))?;
-        let mut writer = index
-            .writer::<TantivyDocument>(50_000_000)
-            .map_err(tantivy_err("writer"))?;
-        for p in passages {
-            writer
-                .add_document(
-                    doc!(id => p.id.as_str(), title => p.title.as_str(), text => p.text.as_str()),
-                )
-                .map_err(tantivy_err("add"))?;
-        }
-        writer.commit().map_err(tantivy_err("commit"))?;
-        let meta = IndexMeta {
-            schema_version: INDEX_SCHEMA_VERSION,
-            passages: passages.len(),
-            corpus_sha256: corpus_sha256(passages),
-        };
+        let meta = fill(&index, passages)?;
         let json = serde_json::to_string_pretty(&meta)
             .map_err(|e| Error::invalid("index", e.to_string()))?;
         write_atomic(&dir.join(META), json.as_bytes())?;
         Self::open(dir)
+    }
+
+    /// Index `passages` in memory (nothing written).
+    pub fn in_memory(passages: &[Passage]) -> Result<Self> {
+        if passages.is_empty() {
+            return Err(Error::invalid("corpus", "no passages (empty corpus)"));
+        }
+        let (schema, ..) = schema();
+        let index = Index::create_in_ram(schema);
+        let meta = fill(&index, passages)?;
+        Self::from_index(index, meta, "in memory")
     }
 
     /// Open an index folder written by [`Bm25Index::build`].
@@ -132,11 +149,14 @@ impl Bm25Index {
             ));
         }
         let index = Index::open_in_dir(dir).map_err(tantivy_err("open"))?;
+        Self::from_index(index, meta, &dir.display().to_string())
+    }
+
+    fn from_index(index: Index, meta: IndexMeta, place: &str) -> Result<Self> {
         let s = index.schema();
         let field = |name: &str| {
-            s.get_field(name).map_err(|_| {
-                Error::invalid("index", format!("{}: no field `{name}`", dir.display()))
-            })
+            s.get_field(name)
+                .map_err(|_| Error::invalid("index", format!("{place}: no field `{name}`")))
         };
         let (id, title, text) = (field("id")?, field("title")?, field("text")?);
         let reader = index.reader().map_err(tantivy_err("reader"))?;

@@ -1,0 +1,339 @@
+//! RAG experiments from a spec: every question of every task answered under every
+//! variant (closed book, all paragraphs, `once`, `every_n`, `rind`, `retrieval_heads`),
+//! retrieving with BM25 from the task's paragraph pool (every question's paragraphs,
+//! deduplicated, indexed in memory). One JSON line per (task, question, variant) in
+//! `records.jsonl`, so a run resumes; [`write_report`] writes `summary.json` (em, f1,
+//! retrievals, generated_tokens, secs) and `README.md`.
+//!
+//! ```toml
+//! name = "rag"
+//! model = "smollm2-135m"
+//! max_new = 24
+//! probe = "probes/{model}/hotpotqa.json"                # for retrieval_heads
+//! ranking = "policies/rankings/{model}/locos-niah.json"  # its watched heads: the top 9
+//! watched_heads = 9
+//!
+//! [[task]]
+//! name = "hotpotqa"
+//! file = "hotpotqa/hotpot_dev_distractor_200.jsonl"
+//! format = "hotpotqa"
+//!
+//! [[variant]]
+//! name = "rind"
+//! rag = { trigger = { type = "rind", threshold = 1.0 } }
+//! ```
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+use indicatif::ProgressBar;
+use serde::{Deserialize, Serialize};
+
+use crate::eval::run::{append_jsonl, open_append, read_jsonl};
+use crate::heads::ranking::Ranking;
+use crate::metrics::Metric;
+use crate::model::{LoadedModel, ModelId};
+use crate::probe::Probe;
+use crate::rag::corpus::{pool, CorpusFormat};
+use crate::rag::dragin::{answer, AnswerOptions, HeadSignal, RagConfig};
+use crate::rag::qa::{self, QaItem};
+use crate::rag::text::Stopwords;
+use crate::rag::trigger::TriggerConfig;
+use crate::rag::Bm25Index;
+use crate::results::{write_experiment, ResultRecord, SCHEMA_VERSION};
+use crate::{Error, Result};
+
+/// A RAG experiment.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RagSpec {
+    pub name: String,
+    /// A known model name or a GGUF path.
+    pub model: String,
+    #[serde(default)]
+    pub data_dir: Option<PathBuf>,
+    /// Tokens per answer segment at most.
+    #[serde(default = "default_max_new")]
+    pub max_new: usize,
+    /// Prompt through the model's chat template (else raw completion).
+    #[serde(default = "default_chat")]
+    pub chat: bool,
+    /// The stopword list, under the data directory.
+    #[serde(default = "default_stopwords")]
+    pub stopwords: PathBuf,
+    /// The probe card of `retrieval_heads` variants (`{model}` is the model's name).
+    #[serde(default)]
+    pub probe: Option<String>,
+    /// The ranking whose top heads `retrieval_heads` watches.
+    #[serde(default)]
+    pub ranking: Option<String>,
+    #[serde(default = "default_watched")]
+    pub watched_heads: usize,
+    #[serde(rename = "task")]
+    pub tasks: Vec<RagTask>,
+    #[serde(rename = "variant")]
+    pub variants: Vec<Variant>,
+}
+
+fn default_max_new() -> usize {
+    24
+}
+fn default_chat() -> bool {
+    true
+}
+fn default_stopwords() -> PathBuf {
+    PathBuf::from("stopwords/snowball_en.txt")
+}
+fn default_watched() -> usize {
+    9
+}
+
+/// A question file.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RagTask {
+    pub name: String,
+    /// Under the data directory.
+    pub file: PathBuf,
+    pub format: CorpusFormat,
+    #[serde(default)]
+    pub limit: Option<usize>,
+}
+
+/// A named RAG configuration.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Variant {
+    pub name: String,
+    pub rag: RagConfig,
+}
+
+impl RagSpec {
+    /// Read and check a spec file.
+    pub fn load(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let spec: RagSpec = toml::from_str(&text)
+            .map_err(|e| Error::invalid("spec", format!("{}: {}", path.display(), e.message())))?;
+        for v in &spec.variants {
+            v.rag
+                .validate()
+                .map_err(|e| Error::invalid("variant", format!("`{}`: {e}", v.name)))?;
+        }
+        if spec.variants.is_empty() || spec.tasks.is_empty() {
+            return Err(Error::invalid(
+                "spec",
+                "needs at least one [[task]] and one [[variant]]",
+            ));
+        }
+        Ok(spec)
+    }
+}
+
+/// One answer.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RagRecord {
+    pub task: String,
+    pub id: String,
+    pub variant: String,
+    pub answer: String,
+    pub answers: Vec<String>,
+    pub em: f64,
+    pub f1: f64,
+    pub retrievals: usize,
+    pub queries: Vec<String>,
+    pub generated_tokens: usize,
+    pub secs: f64,
+    pub retriever_errors: Vec<String>,
+}
+
+/// Run every (task, question, variant) not yet in `out/records.jsonl`; returns how many
+/// answers were generated.
+pub fn run(
+    spec: &RagSpec,
+    lm: &LoadedModel,
+    id: &ModelId,
+    data_dir: &Path,
+    out: &Path,
+    limit: Option<usize>,
+    bar: Option<&ProgressBar>,
+) -> Result<usize> {
+    let stop = Stopwords::load(&data_dir.join(&spec.stopwords))?;
+    let needs_probe = spec
+        .variants
+        .iter()
+        .any(|v| matches!(v.rag.trigger, TriggerConfig::RetrievalHeads { .. }));
+    let watched = if needs_probe {
+        let sub = |s: &Option<String>, what: &str| {
+            s.as_ref()
+                .map(|p| PathBuf::from(p.replace("{model}", &id.name)))
+                .ok_or_else(|| Error::invalid(what, "retrieval_heads variants need it in the spec"))
+        };
+        let probe = Probe::load(&sub(&spec.probe, "probe")?)?;
+        let ranking = Ranking::load(&sub(&spec.ranking, "ranking")?)?;
+        let n_heads = lm.model.config().n_heads;
+        let heads: Vec<usize> = ranking
+            .top(spec.watched_heads)
+            .iter()
+            .map(|h| h.layer * n_heads + h.head)
+            .collect();
+        Some((probe, heads))
+    } else {
+        None
+    };
+    std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
+    let path = out.join("records.jsonl");
+    let done: BTreeSet<(String, String, String)> = read_jsonl::<RagRecord>(&path)?
+        .into_iter()
+        .map(|r| (r.task, r.id, r.variant))
+        .collect();
+    let mut file = open_append(&path)?;
+    let mut generated = 0;
+    for task in &spec.tasks {
+        let all = qa::load(&data_dir.join(&task.file), task.format, None)?;
+        let passages = pool(all.iter().flat_map(|q| {
+            q.paragraphs
+                .iter()
+                .map(|p| (p.title.as_str(), p.text.as_str()))
+        }));
+        let index = Bm25Index::in_memory(&passages)?;
+        let n = [task.limit, limit]
+            .into_iter()
+            .flatten()
+            .min()
+            .unwrap_or(all.len());
+        let items: Vec<&QaItem> = all.iter().take(n).collect();
+        if let Some(b) = bar {
+            b.inc_length((items.len() * spec.variants.len()) as u64);
+        }
+        for item in items {
+            for v in &spec.variants {
+                if let Some(b) = bar {
+                    b.inc(1);
+                }
+                if done.contains(&(task.name.clone(), item.id.clone(), v.name.clone())) {
+                    continue;
+                }
+                let signal = watched
+                    .as_ref()
+                    .map(|(probe, heads)| HeadSignal { probe, heads });
+                let opts = AnswerOptions {
+                    max_new: spec.max_new,
+                    chat: spec.chat,
+                };
+                let a = answer(lm, item, &v.rag, Some(&index), &stop, signal, opts)?;
+                let record = RagRecord {
+                    task: task.name.clone(),
+                    id: item.id.clone(),
+                    variant: v.name.clone(),
+                    em: Metric::Em.score(&item.answers, &a.answer),
+                    f1: Metric::F1.score(&item.answers, &a.answer),
+                    answer: a.answer,
+                    answers: item.answers.clone(),
+                    retrievals: a.retrievals.len(),
+                    queries: a.retrievals.into_iter().map(|r| r.query).collect(),
+                    generated_tokens: a.generated_tokens,
+                    secs: a.secs,
+                    retriever_errors: a.retriever_errors,
+                };
+                append_jsonl(&mut file, &path, &record)?;
+                generated += 1;
+            }
+        }
+    }
+    Ok(generated)
+}
+
+/// Mean and standard error of `xs`.
+fn mean_se(xs: &[f64]) -> (f64, f64) {
+    let n = xs.len() as f64;
+    let mean = xs.iter().sum::<f64>() / n;
+    let var = xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0).max(1.0);
+    (mean, (var / n).sqrt())
+}
+
+/// Write `summary.json` and `README.md` of a run folder from its records, in the
+/// spec's variant order.
+pub fn write_report(
+    dir: &Path,
+    spec: &RagSpec,
+    id: &ModelId,
+    command: &str,
+) -> Result<Vec<ResultRecord>> {
+    let records: Vec<RagRecord> = read_jsonl(&dir.join("records.jsonl"))?;
+    let mut groups: BTreeMap<(String, String), Vec<&RagRecord>> = BTreeMap::new();
+    for r in &records {
+        groups
+            .entry((r.task.clone(), r.variant.clone()))
+            .or_default()
+            .push(r);
+    }
+    let mut summary = Vec::new();
+    let mut md = format!(
+        "# RAG: {}\n\nCommand: `{command}`\n\nBM25 (tantivy) over each task's paragraph pool; greedy answers of at most {} tokens \
+         per segment; EM/F1 with SQuAD normalisation, mean ± standard error over questions.\n\n\
+         | task | variant | n | EM | F1 | retrievals / question | tokens / question | s / question |\n\
+         |---|---|---:|---:|---:|---:|---:|---:|\n",
+        id.name, spec.max_new
+    );
+    for task in &spec.tasks {
+        for v in &spec.variants {
+            let Some(rs) = groups.get(&(task.name.clone(), v.name.clone())) else {
+                continue;
+            };
+            let col =
+                |f: fn(&RagRecord) -> f64| mean_se(&rs.iter().map(|r| f(r)).collect::<Vec<_>>());
+            let em = col(|r| r.em);
+            let f1 = col(|r| r.f1);
+            let ret = col(|r| r.retrievals as f64);
+            let tok = col(|r| r.generated_tokens as f64);
+            let secs = col(|r| r.secs);
+            md.push_str(&format!(
+                "| {} | {} | {} | {:.3} ± {:.3} | {:.3} ± {:.3} | {:.2} | {:.1} | {:.2} |\n",
+                task.name,
+                v.name,
+                rs.len(),
+                em.0,
+                em.1,
+                f1.0,
+                f1.1,
+                ret.0,
+                tok.0,
+                secs.0
+            ));
+            for (metric, value) in [
+                ("em", em.0),
+                ("f1", f1.0),
+                ("retrievals", ret.0),
+                ("generated_tokens", tok.0),
+                ("secs", secs.0),
+            ] {
+                summary.push(ResultRecord {
+                    schema_version: SCHEMA_VERSION,
+                    experiment: spec.name.clone(),
+                    model: id.name.clone(),
+                    model_sha256: id.sha256.clone(),
+                    task: Some(task.name.clone()),
+                    context_tokens: None,
+                    selection: None,
+                    k: None,
+                    seed: None,
+                    mode: None,
+                    policy: Some(v.name.clone()),
+                    metric: metric.into(),
+                    value,
+                    n: rs.len(),
+                });
+            }
+        }
+    }
+    md.push_str("\nVariants:\n\n");
+    for v in &spec.variants {
+        md.push_str(&format!(
+            "- `{}`: {}\n",
+            v.name,
+            serde_json::to_string(&v.rag).unwrap_or_default()
+        ));
+    }
+    write_experiment(dir, &md, &summary)?;
+    Ok(summary)
+}
