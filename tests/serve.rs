@@ -610,3 +610,73 @@ fn sigterm_lets_short_requests_finish_and_cancels_long_ones() {
     );
     assert!(TcpStream::connect(server.addr()).is_err());
 }
+
+#[test]
+fn rag_requests_retrieve_and_are_counted() {
+    let dir = std::env::temp_dir().join(format!("headwise-rag-corpus-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let corpus = dir.join("corpus.jsonl");
+    std::fs::write(
+        &corpus,
+        "{\"title\": \"Lisbon\", \"text\": \"Lisbon, the capital of Portugal, lies on the Tagus river.\"}\n\
+         {\"title\": \"Oslo\", \"text\": \"Oslo is the capital of Norway.\"}\n",
+    )
+    .unwrap();
+    let index = dir.join("index");
+    let status = Command::new(env!("CARGO_BIN_EXE_headwise"))
+        .args(["retriever", "index"])
+        .arg(&corpus)
+        .arg("--out")
+        .arg(&index)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let stopwords = dir.join("stop.txt");
+    std::fs::write(&stopwords, "the\nof\nwhich\n").unwrap();
+    let server = Server::start(
+        "rag",
+        &config(&format!(
+            "rag_index = \"{}\"\nrag_stopwords = \"{}\"",
+            index.display(),
+            stopwords.display()
+        )),
+    );
+    let mut body = chat_body(
+        "Which river flows through the capital of Portugal?",
+        12,
+        false,
+    );
+    body["headwise"] = json!({"rag": "once"});
+    let a: Value = post(&server, "/v1/chat/completions", &body).json().unwrap();
+    assert_eq!(a["usage"]["headwise"]["retrievals"], 1, "{a}");
+    assert!(
+        !a["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .is_empty(),
+        "{a}"
+    );
+    assert_eq!(server.metric("headwise_retrievals_total"), 1.0);
+    // Streamed, the whole answer comes as one chunk before the finish.
+    body["stream"] = json!(true);
+    let (events, done) = sse_events(post(&server, "/v1/chat/completions", &body));
+    assert!(done);
+    assert!(!streamed(&events).0.is_empty());
+    body["stream"] = json!(false);
+    body["headwise"] = json!({"rag": "sometimes"});
+    let (s, e) = error_of(post(&server, "/v1/chat/completions", &body));
+    assert_eq!((s, e["param"].as_str()), (400, Some("headwise.rag")));
+    assert!(
+        e["message"]
+            .as_str()
+            .unwrap()
+            .contains("every_n, once, rind"),
+        "{e}"
+    );
+    body["headwise"] = json!({"rag": "once", "policy": "static-locos"});
+    let (s, _) = error_of(post(&server, "/v1/chat/completions", &body));
+    assert_eq!(s, 400);
+    drop(server);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -131,7 +131,7 @@ pub struct StreamOptions {
 pub struct HeadwiseOptions {
     /// A policy preset the server allows.
     pub policy: Option<String>,
-    /// A retrieval trigger (none is served yet: any value is refused).
+    /// A retrieval trigger the server allows (needs its `rag_index`).
     pub rag: Option<String>,
     /// Generate through end-of-turn tokens, always `max_tokens` tokens.
     #[serde(default)]
@@ -284,6 +284,9 @@ pub struct HeadwiseUsage {
     pub decode_tok_s: f64,
     /// Seconds the request waited for a free slot.
     pub queue_secs: f64,
+    /// Retrievals of a RAG request.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub retrievals: Option<usize>,
 }
 
 /// `usage`.

@@ -20,6 +20,7 @@ use figment::providers::{Env, Format, Serialized, Toml};
 use figment::Figment;
 use serde::{Deserialize, Serialize};
 
+use crate::rag::trigger::TriggerConfig;
 use crate::{Error, Result};
 
 /// The preset every server has, with no file: the plain full cache.
@@ -64,6 +65,13 @@ pub struct ServeConfig {
     pub max_tokens_limit: usize,
     /// `max_tokens` of requests that give none (capped at `max_tokens_limit`).
     pub default_max_tokens: usize,
+    /// A BM25 index folder (`headwise retriever index`): enables `"headwise": {"rag": ...}`.
+    pub rag_index: Option<PathBuf>,
+    /// The stopword list of RIND and QFS (relative to `base_dir`).
+    pub rag_stopwords: PathBuf,
+    /// Retrieval triggers requests may choose by name [default: `once`, `every_n` (n = 4),
+    /// `rind` (threshold 1.0)].
+    pub rag_triggers: Option<BTreeMap<String, TriggerConfig>>,
 }
 
 impl Default for ServeConfig {
@@ -84,11 +92,25 @@ impl Default for ServeConfig {
             shutdown_grace_secs: 10.0,
             max_tokens_limit: 2048,
             default_max_tokens: 256,
+            rag_index: None,
+            rag_stopwords: PathBuf::from("../shared/data/stopwords/snowball_en.txt"),
+            rag_triggers: None,
         }
     }
 }
 
 impl ServeConfig {
+    /// The retrieval triggers requests may choose.
+    pub fn triggers(&self) -> BTreeMap<String, TriggerConfig> {
+        self.rag_triggers.clone().unwrap_or_else(|| {
+            BTreeMap::from([
+                ("once".to_string(), TriggerConfig::Once),
+                ("every_n".to_string(), TriggerConfig::EveryN { n: 4 }),
+                ("rind".to_string(), TriggerConfig::Rind { threshold: 1.0 }),
+            ])
+        })
+    }
+
     /// Defaults, then `file` (if any), then `HEADWISE_SERVE_*` and `HEADWISE_API_KEY`.
     pub fn load(file: Option<&Path>) -> Result<Self> {
         let mut fig = Figment::from(Serialized::defaults(ServeConfig::default()));
@@ -140,6 +162,9 @@ impl ServeConfig {
             if !(v.is_finite() && v >= 0.0) {
                 return Err(Error::invalid(name, format!("{v} (must be >= 0)")));
             }
+        }
+        for t in self.rag_triggers.iter().flat_map(|m| m.values()) {
+            t.validate()?;
         }
         if self.api_keys.iter().any(|k| k.is_empty()) {
             return Err(Error::invalid("api_keys", "an empty key"));

@@ -18,6 +18,13 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tokio::sync::Semaphore;
 
 use crate::policy::{GenerateRequest, Runtime, Step};
+use crate::rag::dragin::{
+    answer, AnswerOptions, ContextMode, OnRetrieverError, QueryConfig, RagConfig,
+};
+use crate::rag::qa::QaItem;
+use crate::rag::text::Stopwords;
+use crate::rag::trigger::TriggerConfig;
+use crate::rag::Bm25Index;
 use crate::serve::api::{ApiError, HeadwiseUsage, TokenLogprob, TopLogprob, Usage};
 use crate::serve::config::ServeConfig;
 use crate::serve::metrics::Metrics;
@@ -37,6 +44,17 @@ pub struct Job {
     pub stops: Vec<String>,
     /// Return log-probabilities, with this many alternatives per token.
     pub top_logprobs: Option<usize>,
+    /// Answer through the RAG loop instead: the trigger and the question.
+    pub rag: Option<(TriggerConfig, String)>,
+}
+
+/// What the server retrieves with: a BM25 index, the stopwords of RIND and QFS, and
+/// the triggers requests may name.
+#[derive(Debug)]
+pub struct RagService {
+    pub index: Bm25Index,
+    pub stopwords: Stopwords,
+    pub triggers: BTreeMap<String, TriggerConfig>,
 }
 
 /// What a running generation reports.
@@ -47,8 +65,12 @@ pub enum Event {
         text: String,
         logprobs: Vec<TokenLogprob>,
     },
-    /// The end: `stop` or `length`, and what it cost.
-    Done { finish: &'static str, usage: Usage },
+    /// The end: `stop` or `length`, and what it cost; a RAG answer comes whole here.
+    Done {
+        finish: &'static str,
+        usage: Usage,
+        text: Option<String>,
+    },
     /// The generation failed or was cut short (timeout, shutdown).
     Failed(ApiError),
 }
@@ -73,6 +95,7 @@ pub struct Engine {
     next_id: AtomicU64,
     /// Slots plus queue places.
     capacity: usize,
+    rag: Option<RagService>,
 }
 
 impl Engine {
@@ -107,7 +130,33 @@ impl Engine {
             abort: AtomicBool::new(false),
             next_id: AtomicU64::new(1),
             capacity: cfg.max_concurrency + cfg.max_queue,
+            rag: None,
         })
+    }
+
+    /// The same engine answering `"rag"` requests with `rag`.
+    pub fn with_rag(mut self, rag: RagService) -> Self {
+        self.rag = Some(rag);
+        self
+    }
+
+    /// The trigger a request names, or a 400 naming the allowed ones.
+    pub fn trigger(&self, name: &str) -> Result<TriggerConfig, ApiError> {
+        let allowed = self
+            .rag
+            .as_ref()
+            .map(|r| r.triggers.keys().cloned().collect::<Vec<_>>().join(", "))
+            .filter(|a| !a.is_empty())
+            .unwrap_or_else(|| "none; the server has no rag_index".into());
+        self.rag
+            .as_ref()
+            .and_then(|r| r.triggers.get(name).cloned())
+            .ok_or_else(|| {
+                ApiError::invalid(
+                    Some("headwise.rag"),
+                    format!("unknown rag trigger `{name}` (allowed: {allowed})"),
+                )
+            })
     }
 
     /// The model's name in the API.
@@ -232,6 +281,9 @@ impl Engine {
             Err(e) => return Some(Event::Failed(e)),
         };
         let _active = GaugeGuard::inc(&self.metrics.active_sequences);
+        if let Some((trigger, question)) = &job.rag {
+            return Some(self.run_rag(rt, &job, trigger, question, queue_secs));
+        }
         let mut kv = KvTracker::new(self.metrics.kv(&job.policy));
         let mut matcher = StopMatcher::new(job.stops);
         let mut logprobs = Vec::new();
@@ -307,6 +359,7 @@ impl Engine {
                 prefill_tok_s: s.prefill_tok_s,
                 decode_tok_s: s.decode_tok_s,
                 queue_secs,
+                retrievals: None,
             },
         };
         let finish = if matcher.stopped() || s.finish == "stop" {
@@ -314,7 +367,85 @@ impl Engine {
         } else {
             "length"
         };
-        Some(Event::Done { finish, usage })
+        Some(Event::Done {
+            finish,
+            usage,
+            text: None,
+        })
+    }
+}
+
+impl Engine {
+    /// Answer `question` through the RAG loop (full cache, greedy; not cancellable
+    /// mid-answer: it is bounded by `max_tokens` per segment and the retrieval cap).
+    fn run_rag(
+        &self,
+        rt: &Runtime,
+        job: &Job,
+        trigger: &TriggerConfig,
+        question: &str,
+        queue_secs: f64,
+    ) -> Event {
+        let Some(rag) = &self.rag else {
+            return Event::Failed(self.trigger("").unwrap_err());
+        };
+        let item = QaItem {
+            id: String::new(),
+            question: question.to_string(),
+            answers: Vec::new(),
+            paragraphs: Vec::new(),
+        };
+        let cfg = RagConfig {
+            trigger: trigger.clone(),
+            query: QueryConfig::Qfs { words: 25 },
+            context: ContextMode::Retrieved,
+            passages: 3,
+            max_retrievals: 3,
+            on_retriever_error: OnRetrieverError::Continue,
+        };
+        let opts = AnswerOptions {
+            max_new: job.request.max_tokens,
+            chat: rt.model().chat_template.is_some(),
+        };
+        let t0 = Instant::now();
+        match answer(
+            rt.model(),
+            &item,
+            &cfg,
+            Some(&rag.index),
+            &rag.stopwords,
+            None,
+            opts,
+        ) {
+            Ok(a) => {
+                self.metrics.retrievals.inc_by(a.retrievals.len() as u64);
+                self.metrics
+                    .completion_tokens
+                    .inc_by(a.generated_tokens as u64);
+                let secs = t0.elapsed().as_secs_f64().max(1e-9);
+                Event::Done {
+                    finish: "stop",
+                    usage: Usage {
+                        prompt_tokens: 0,
+                        completion_tokens: a.generated_tokens,
+                        total_tokens: a.generated_tokens,
+                        headwise: HeadwiseUsage {
+                            policy: job.policy.clone(),
+                            kv_bytes: 0,
+                            kv_cold_bytes: 0,
+                            kv_peak_bytes: 0,
+                            kv_prefill_peak_bytes: 0,
+                            prefill_tok_s: 0.0,
+                            decode_tok_s: a.generated_tokens as f64 / secs,
+                            queue_secs,
+                            retrievals: Some(a.retrievals.len()),
+                        },
+                    },
+                    text: Some(a.answer),
+                }
+            }
+            Err(e) => Event::Failed(e.into()),
+        }
     }
 }
 

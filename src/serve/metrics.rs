@@ -40,6 +40,8 @@ pub struct Metrics {
     /// KV bytes (hot + cold) held by running generations, per policy.
     pub kv_resident_bytes: Family<PolicyLabel, Gauge>,
     pub cancelled: Family<ReasonLabel, Counter>,
+    /// Passages retrievals of RAG requests.
+    pub retrievals: Counter,
 }
 
 impl Default for Metrics {
@@ -52,6 +54,7 @@ impl Default for Metrics {
         let active_sequences = Gauge::default();
         let kv_resident_bytes = Family::<PolicyLabel, Gauge>::default();
         let cancelled = Family::<ReasonLabel, Counter>::default();
+        let retrievals = Counter::default();
         registry.register(
             "requests",
             "HTTP requests by endpoint and status",
@@ -87,8 +90,14 @@ impl Default for Metrics {
             "Generations cut short, by reason",
             cancelled.clone(),
         );
+        registry.register(
+            "retrievals",
+            "Retrievals made by RAG requests",
+            retrievals.clone(),
+        );
         Self {
             registry,
+            retrievals,
             requests,
             prompt_tokens,
             completion_tokens,

@@ -78,7 +78,16 @@ pub fn load_engine(cfg: &ServeConfig) -> Result<Engine> {
         .clone()
         .unwrap_or_else(|| full.model_id().name.clone());
     runtimes.entry(config::FULL.to_string()).or_insert(full);
-    Engine::new(name, runtimes, cfg)
+    let engine = Engine::new(name, runtimes, cfg)?;
+    let Some(dir) = &cfg.rag_index else {
+        return Ok(engine);
+    };
+    let rag = engine::RagService {
+        index: crate::rag::Bm25Index::open(&base.join(dir))?,
+        stopwords: crate::rag::text::Stopwords::load(&base.join(&cfg.rag_stopwords))?,
+        triggers: cfg.triggers(),
+    };
+    Ok(engine.with_rag(rag))
 }
 
 /// The preset file at `path` over the model of `full`; its paths are read from `base`.

@@ -236,13 +236,14 @@ fn prepare(
         }
     }
     let ext = common.headwise.unwrap_or_default();
-    if let Some(rag) = &ext.rag {
-        return Err(ApiError::invalid(
-            Some("headwise.rag"),
-            format!("unknown rag trigger `{rag}` (allowed: none; this server has no retriever)"),
-        ));
-    }
     let (policy, rt) = engine.runtime(ext.policy.as_deref())?;
+    let rag = match &ext.rag {
+        None => None,
+        Some(name) => Some((
+            engine.trigger(name)?,
+            rag_question(&prompt, policy, top_logprobs)?,
+        )),
+    };
     if top_logprobs.is_some_and(|n| n > MAX_TOP_LOGPROBS) {
         return Err(ApiError::invalid(
             Some("top_logprobs"),
@@ -319,11 +320,43 @@ fn prepare(
             },
             stops,
             top_logprobs,
+            rag,
         },
         stream: common.stream,
         include_usage: common.stream_options.is_some_and(|o| o.include_usage),
         model: engine.model_name().to_string(),
     })
+}
+
+/// The question a RAG request asks: the last user message, or the prompt text. RAG
+/// answers run on the full cache, without log-probabilities.
+fn rag_question(
+    prompt: &Prompt,
+    policy: &str,
+    top_logprobs: Option<usize>,
+) -> Result<String, ApiError> {
+    if policy != crate::serve::config::FULL {
+        return Err(ApiError::invalid(
+            Some("headwise.policy"),
+            "rag answers run on the full cache: leave out the policy or choose `full`",
+        ));
+    }
+    if top_logprobs.is_some() {
+        return Err(ApiError::invalid(
+            Some("logprobs"),
+            "logprobs are not available with rag",
+        ));
+    }
+    match prompt {
+        Prompt::Chat(messages) => messages
+            .iter()
+            .rev()
+            .find(|m| m.role == "user")
+            .map(|m| m.content.clone())
+            .ok_or_else(|| ApiError::invalid(Some("messages"), "rag needs a user message")),
+        Prompt::Text(t) => Ok(t.clone()),
+        Prompt::Tokens(_) => Err(ApiError::invalid(Some("prompt"), "rag needs a text prompt")),
+    }
 }
 
 /// Text, log-probabilities, finish reason and usage of a whole generation.
@@ -346,13 +379,18 @@ async fn collect(mut rx: UnboundedReceiver<Event>) -> Result<Collected, ApiError
                 text.push_str(&t);
                 logprobs.extend(l);
             }
-            Event::Done { finish, usage } => {
+            Event::Done {
+                finish,
+                usage,
+                text: whole,
+            } => {
+                text.push_str(&whole.unwrap_or_default());
                 return Ok(Collected {
                     text,
                     logprobs,
                     finish,
                     usage,
-                })
+                });
             }
             Event::Failed(e) => return Err(e),
         }
@@ -601,8 +639,16 @@ fn sse<T: serde::Serialize + Send + 'static>(
                 let event = data(&chunk(Piece::Text(text, logprobs)));
                 return Some((vec![event], Some((rx, chunk))));
             }
-            Some(Event::Done { finish, usage }) => {
-                let mut v = vec![data(&chunk(Piece::Finish(finish)))];
+            Some(Event::Done {
+                finish,
+                usage,
+                text,
+            }) => {
+                let mut v = Vec::new();
+                if let Some(text) = text {
+                    v.push(data(&chunk(Piece::Text(text, Vec::new()))));
+                }
+                v.push(data(&chunk(Piece::Finish(finish))));
                 if include_usage {
                     v.push(data(&chunk(Piece::Usage(usage))));
                 }
