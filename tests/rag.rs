@@ -145,6 +145,7 @@ fn bm25_finds_copied_sentences_and_http_serves_the_same_answers() {
         "hotpot",
     ]);
     assert_eq!(code, 0, "{err}");
+    drop((server, index));
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -13,7 +13,7 @@ use sha2::{Digest, Sha256};
 use tantivy::collector::TopDocs;
 use tantivy::query::{BooleanQuery, Occur, Query, TermQuery};
 use tantivy::schema::{Field, IndexRecordOption, Schema, Value, STORED, STRING, TEXT};
-use tantivy::{doc, Index, IndexReader, TantivyDocument, Term};
+use tantivy::{doc, Index, IndexReader, ReloadPolicy, TantivyDocument, Term};
 
 use crate::rag::corpus::Passage;
 use crate::rag::retriever::{Hit, Retriever};
@@ -77,6 +77,10 @@ fn fill(index: &Index, passages: &[Passage]) -> Result<IndexMeta> {
             .map_err(tantivy_err("add"))?;
     }
     writer.commit().map_err(tantivy_err("commit"))?;
+    // Merges run in the background: finish them before anyone reads or moves the files.
+    writer
+        .wait_merging_threads()
+        .map_err(tantivy_err("merge"))?;
     Ok(IndexMeta {
         schema_version: INDEX_SCHEMA_VERSION,
         passages: passages.len(),
@@ -159,7 +163,12 @@ impl Bm25Index {
                 .map_err(|_| Error::invalid("index", format!("{place}: no field `{name}`")))
         };
         let (id, title, text) = (field("id")?, field("title")?, field("text")?);
-        let reader = index.reader().map_err(tantivy_err("reader"))?;
+        // The index never changes once built: no reload, so no watcher thread.
+        let reader = index
+            .reader_builder()
+            .reload_policy(ReloadPolicy::Manual)
+            .try_into()
+            .map_err(tantivy_err("reader"))?;
         Ok(Self {
             index,
             reader,
@@ -278,6 +287,7 @@ mod tests {
             "a"
         );
         assert!(Bm25Index::build(&dir, &passages()).is_err());
+        drop((index, again));
         std::fs::remove_dir_all(&dir).unwrap();
         assert!(Bm25Index::open(&dir).is_err());
     }
