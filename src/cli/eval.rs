@@ -17,23 +17,12 @@ use super::ModelArgs;
 pub enum EvalCommand {
     /// Run an experiment spec (resumes an interrupted run), then write its report.
     Run {
-        /// The spec file (TOML), e.g. `eval/ablation-smollm2.toml`.
-        spec: PathBuf,
-        /// At most this many examples per task (the first ones).
-        #[arg(long)]
-        limit: Option<usize>,
+        #[command(flatten)]
+        sweep: SweepArgs,
         /// Run only shard `i/n` of every task's examples (0-based); `eval report` merges
         /// the shards' records.
         #[arg(long)]
         shard: Option<String>,
-        /// Results root: the run writes to `<out>/<model>/<spec name>/`.
-        #[arg(long, default_value = "eval/results")]
-        out: PathBuf,
-        /// Another data directory than the spec's.
-        #[arg(long, env = "HEADWISE_DATA_DIR")]
-        data_dir: Option<PathBuf>,
-        #[command(flatten)]
-        model: ModelArgs,
     },
     /// (Re)write `summary.json`, `README.md` and plots from a run folder's records (all
     /// shards).
@@ -54,10 +43,11 @@ pub enum EvalCommand {
     Rag(SweepArgs),
 }
 
-/// The arguments of the sweeps that run a spec against one model.
+/// The arguments of every command that runs a spec against one model.
 #[derive(Args, Debug)]
 pub struct SweepArgs {
-    /// The spec file (TOML), e.g. `eval/kv-budget-smollm2.toml`, `eval/rag-smollm2.toml`.
+    /// The spec file (TOML), e.g. `eval/ablation-smollm2.toml`,
+    /// `eval/kv-budget-smollm2.toml`, `eval/rag-smollm2.toml`.
     spec: PathBuf,
     /// At most this many examples per task (the first ones).
     #[arg(long)]
@@ -75,12 +65,15 @@ pub struct SweepArgs {
 pub fn run(cmd: EvalCommand) -> anyhow::Result<()> {
     match cmd {
         EvalCommand::Run {
-            spec,
-            limit,
+            sweep:
+                SweepArgs {
+                    spec,
+                    limit,
+                    out,
+                    data_dir,
+                    model,
+                },
             shard,
-            out,
-            data_dir,
-            model,
         } => {
             let mut spec = EvalSpec::load(&spec)?;
             if data_dir.is_some() {

@@ -87,9 +87,7 @@ pub fn run(cmd: RetrieverCommand) -> anyhow::Result<()> {
                 .enable_all()
                 .build()?;
             rt.block_on(async move {
-                let listener = tokio::net::TcpListener::bind((a.host.as_str(), a.port))
-                    .await
-                    .map_err(|e| anyhow::anyhow!("cannot bind {}:{}: {e}", a.host, a.port))?;
+                let listener = super::serve::bind(&a.host, a.port).await?;
                 eprintln!(
                     "serving index `{}` ({} passages) on http://{}",
                     a.name,

@@ -46,9 +46,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         .enable_all()
         .build()?;
     rt.block_on(async move {
-        let listener = tokio::net::TcpListener::bind((cfg.host.as_str(), cfg.port))
-            .await
-            .map_err(|e| anyhow::anyhow!("cannot bind {}:{}: {e}", cfg.host, cfg.port))?;
+        let listener = bind(&cfg.host, cfg.port).await?;
         eprintln!(
             "serving {} (policies: {}) on http://{}",
             engine.model_name(),
@@ -59,6 +57,13 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         eprintln!("stopped");
         Ok(())
     })
+}
+
+/// A listener on `host:port`, or a one-line error naming the address.
+pub async fn bind(host: &str, port: u16) -> anyhow::Result<tokio::net::TcpListener> {
+    tokio::net::TcpListener::bind((host, port))
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot bind {host}:{port}: {e}"))
 }
 
 /// Resolves on SIGTERM or Ctrl-C.

@@ -241,8 +241,10 @@ fn run_segment(
             break;
         }
         let next = sampler.sample(&logits)?;
-        let values: Vec<f32> = logits.flatten_all()?.to_dtype(DType::F32)?.to_vec1()?;
-        run.entropy.push(entropy(&values));
+        if observe {
+            let values: Vec<f32> = logits.flatten_all()?.to_dtype(DType::F32)?.to_vec1()?;
+            run.entropy.push(entropy(&values));
+        }
         if let (Some(s), Some(h)) = (signal, obs.final_hidden.take()) {
             let ws = ws.as_mut().expect("made with the signal");
             probe_out.resize(s.probe.output_dim(), 0.0);
