@@ -1,6 +1,7 @@
-//! SVG line charts (plotters): named series of (x, y) points on one frame, with a mesh,
-//! axis descriptions and a legend. The ablation report, the CCA-by-lag plot and the
-//! long-tail plot are all drawn here.
+//! SVG charts (plotters): line charts (named series of (x, y) points on one frame, with
+//! a mesh, axis descriptions and a legend), drawn for the ablation report, the CCA-by-lag
+//! plot and the long-tail plot; and interval panels (a mean with its error bar per
+//! named category, one panel per group), drawn for the RAG report.
 
 use std::ops::Range;
 
@@ -139,7 +140,106 @@ where
     Ok(())
 }
 
+/// One panel of [`interval_panels`]: its caption and, per category, a mean and the
+/// half-width of its error bar (`None`: not measured there).
+pub(crate) type Panel = (String, Vec<Option<(f64, f64)>>);
+
+/// Panels side by side, one per group, sharing the x axis range: each category of
+/// `categories` on its own row (the first at the top), its mean a dot and `mean ± half
+/// width` a bar. `x_label` describes the values.
+///
+/// Errors: plotters' drawing errors, as [`Error::InvalidArgument`] on `plot`.
+pub(crate) fn interval_panels(
+    title: &str,
+    x_label: &str,
+    categories: &[String],
+    panels: &[Panel],
+    size: (u32, u32),
+) -> Result<String> {
+    let n = categories.len();
+    let x_max = panels
+        .iter()
+        .flat_map(|p| p.1.iter().flatten())
+        .map(|(m, h)| m + h)
+        .fold(0.05, f64::max)
+        * 1.1;
+    // Row r (from the top) of category i.
+    let row = |i: usize| SegmentValue::CenterOf(n - 1 - i);
+    let label = |v: &SegmentValue<usize>| match v {
+        SegmentValue::CenterOf(r) | SegmentValue::Exact(r) if *r < n => {
+            categories[n - 1 - r].clone()
+        }
+        _ => String::new(),
+    };
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, size).into_drawing_area();
+        root.fill(&WHITE).map_err(plot_error)?;
+        let root = root.titled(title, ("sans-serif", 18)).map_err(plot_error)?;
+        for (area, (caption, values)) in root
+            .split_evenly((1, panels.len().max(1)))
+            .iter()
+            .zip(panels)
+        {
+            let mut chart = ChartBuilder::on(area)
+                .caption(caption, ("sans-serif", 15))
+                .margin(10)
+                .x_label_area_size(36)
+                .y_label_area_size(150)
+                .build_cartesian_2d(0.0..x_max, (0..n).into_segmented())
+                .map_err(plot_error)?;
+            chart
+                .configure_mesh()
+                .x_desc(x_label)
+                .y_labels(n)
+                .y_label_formatter(&label)
+                .draw()
+                .map_err(plot_error)?;
+            let color = RGBColor(31, 119, 180);
+            for (i, (m, h)) in values
+                .iter()
+                .enumerate()
+                .filter_map(|(i, v)| v.map(|v| (i, v)))
+            {
+                chart
+                    .draw_series(std::iter::once(PathElement::new(
+                        vec![((m - h).max(0.0), row(i)), (m + h, row(i))],
+                        color.stroke_width(2),
+                    )))
+                    .map_err(plot_error)?;
+                chart
+                    .draw_series(std::iter::once(Circle::new((m, row(i)), 4, color.filled())))
+                    .map_err(plot_error)?;
+            }
+        }
+        root.present().map_err(plot_error)?;
+    }
+    Ok(svg)
+}
+
 /// A plotters error as this crate's.
 fn plot_error(e: impl std::fmt::Display) -> Error {
     Error::invalid("plot", e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn interval_panels_draw_a_dot_per_measured_category_and_every_label() {
+        let categories = vec!["closed-book".to_string(), "rind".to_string()];
+        let panels = vec![
+            (
+                "hotpotqa".to_string(),
+                vec![Some((0.1, 0.02)), Some((0.2, 0.05))],
+            ),
+            ("musique".to_string(), vec![Some((0.05, 0.01)), None]),
+        ];
+        let svg = interval_panels("F1", "F1", &categories, &panels, (600, 200)).unwrap();
+        for text in ["closed-book", "rind", "hotpotqa", "musique"] {
+            assert!(svg.contains(text), "{text}");
+        }
+        assert_eq!(svg.matches("<circle").count(), 3);
+    }
 }

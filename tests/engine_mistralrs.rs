@@ -169,6 +169,42 @@ fn greedy_continuation_names_paris() {
 }
 
 #[test]
+fn a_dropped_stream_is_cancelled_and_the_engine_goes_on() {
+    let ids = engine()
+        .tokenize("The capital of France is", true)
+        .expect("tokenize");
+    let whole = engine().generate_greedy(&ids, 12, true).expect("generate");
+    // Streamed to the end: the same tokens.
+    let mut seen = Vec::new();
+    let streamed = engine()
+        .stream_greedy(&ids, 12, &mut |t| {
+            seen.push(t);
+            Ok(true)
+        })
+        .expect("stream");
+    assert_eq!((&streamed, &seen), (&whole, &whole));
+    // Dropped after three tokens: three delivered, and the next request is served in
+    // full (the cancelled sequence does not hold the engine).
+    let mut count = 0;
+    let cut = engine()
+        .stream_greedy(&ids, 12, &mut |_| {
+            count += 1;
+            Ok(count < 3)
+        })
+        .expect("stream");
+    assert_eq!(cut, whole[..3]);
+    let after = engine().generate_greedy(&ids, 12, true).expect("generate");
+    assert_eq!(after, whole);
+    // An error from the callback ends the stream and comes back.
+    let err = engine()
+        .stream_greedy(&ids, 12, &mut |_| {
+            Err(headwise::Error::invalid("callback", "stop"))
+        })
+        .unwrap_err();
+    assert!(err.to_string().contains("stop"), "{err}");
+}
+
+#[test]
 fn greedy_runs_past_eos_when_asked() {
     // Greedy SmolLM2 answers "The answer is 4" and then emits <|im_end|> (7th token).
     let prompt = "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n";

@@ -234,7 +234,7 @@ mod dragin_loop {
     use super::*;
     use headwise::model::{LoadedModel, Numerics};
     use headwise::rag::dragin::{
-        answer, prompt_text, AnswerOptions, OnRetrieverError, QueryConfig, RagConfig,
+        answer, prompt_text, AnswerOptions, Instrumented, OnRetrieverError, QueryConfig, RagConfig,
     };
     use headwise::rag::qa::QaItem;
     use headwise::rag::text::Stopwords;
@@ -283,12 +283,14 @@ mod dragin_loop {
             passages: 2,
             max_retrievals: cap,
             on_retriever_error: OnRetrieverError::Continue,
+            in_context: None,
         }
     }
 
-    const OPTS: AnswerOptions = AnswerOptions {
+    const OPTS: AnswerOptions<'static> = AnswerOptions {
         max_new: 16,
         chat: true,
+        engine: &Instrumented,
     };
 
     #[test]
@@ -351,6 +353,132 @@ mod dragin_loop {
         let once = answer(&lm, &item(), &once, Some(&idx), &stop, None, OPTS).unwrap();
         assert_eq!(once.retrievals[0].query, item().question);
         assert_eq!(once.retrievals[0].ids[0], "a");
+    }
+
+    /// mistral.rs generates and streams, the instrumented model re-reads each token to
+    /// judge the trigger: on the same prompt both loops stop at the same token, ask the
+    /// same query and give the same answer.
+    #[cfg(feature = "mistralrs")]
+    #[test]
+    fn the_mistralrs_and_instrumented_loops_trigger_at_the_same_token() {
+        use headwise::engine::mistralrs::MistralRsEngine;
+        let path = common::real_model();
+        let lm = LoadedModel::load(&path, Numerics::Fast).unwrap();
+        let engine = MistralRsEngine::load(&path).unwrap();
+        let stop = Stopwords::from_words(["the", "of", "which", "through", "is", "a"]);
+        let idx = index();
+        let streamed = AnswerOptions {
+            engine: &engine,
+            ..OPTS
+        };
+        for trigger in [
+            TriggerConfig::Rind { threshold: 0.0 },
+            TriggerConfig::EveryN { n: 4 },
+        ] {
+            let c = cfg(trigger.clone(), 2);
+            let a = answer(&lm, &item(), &c, Some(&idx), &stop, None, OPTS).unwrap();
+            let b = answer(&lm, &item(), &c, Some(&idx), &stop, None, streamed).unwrap();
+            assert!(!a.retrievals.is_empty(), "{trigger:?}: {a:?}");
+            assert_eq!(a.retrievals, b.retrievals, "{trigger:?}");
+            assert_eq!(a.answer, b.answer, "{trigger:?}");
+            assert_eq!(a.generated_tokens, b.generated_tokens, "{trigger:?}");
+        }
+    }
+
+    /// In-context retrieval: a mask that keeps every position changes nothing; one that
+    /// keeps a handful does, for static, probe-chosen and random heads alike, and each
+    /// records one in-context retrieval (no query, no passages).
+    #[test]
+    fn in_context_masks_that_keep_everything_change_nothing() {
+        use headwise::probe::Probe;
+        use headwise::rag::dragin::{ContextMode, HeadSignal, InContext, InContextHeads};
+        let lm = LoadedModel::load(&common::real_model(), Numerics::Fast).unwrap();
+        let stop = Stopwords::from_words(["the"]);
+        let probe = Probe::load(
+            &std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("probes/SmolLM2-135M-Instruct.Q4_1/hotpotqa.json"),
+        )
+        .unwrap();
+        let n_heads = lm.model.config().n_heads;
+        // The last layers' heads: those that shape the next token most directly.
+        let heads: Vec<usize> = (27..30)
+            .flat_map(|l| (0..3).map(move |h| l * n_heads + h))
+            .collect();
+        let signal = HeadSignal {
+            probe: Some(&probe),
+            heads: &heads,
+        };
+        let open_book = RagConfig {
+            context: ContextMode::AllParagraphs,
+            ..cfg(TriggerConfig::Never, 1)
+        };
+        let plain = answer(&lm, &item(), &open_book, None, &stop, Some(signal), OPTS).unwrap();
+        let masked = |kind, k| {
+            let c = RagConfig {
+                trigger: TriggerConfig::Once,
+                in_context: Some(InContext {
+                    heads: kind,
+                    k,
+                    sink: 0,
+                    window: 1,
+                    seed: 0,
+                }),
+                ..open_book.clone()
+            };
+            answer(&lm, &item(), &c, None, &stop, Some(signal), OPTS).unwrap()
+        };
+        for kind in [
+            InContextHeads::Static,
+            InContextHeads::Probe,
+            InContextHeads::Random,
+        ] {
+            let all = masked(kind, 100_000);
+            assert_eq!(all.answer, plain.answer, "{kind:?}");
+            assert_eq!(all.retrievals.len(), 1);
+            assert!(all.retrievals[0].ids.is_empty() && all.retrievals[0].query.is_empty());
+        }
+        // Every head restricted to one key besides its own position: the paragraph is
+        // out of sight and the answer changes.
+        let every: Vec<usize> = (0..lm.model.config().n_layers * n_heads).collect();
+        let blind = RagConfig {
+            in_context: Some(InContext {
+                heads: InContextHeads::Static,
+                k: 1,
+                sink: 0,
+                window: 1,
+                seed: 0,
+            }),
+            trigger: TriggerConfig::Once,
+            ..open_book.clone()
+        };
+        let all_heads = HeadSignal {
+            probe: None,
+            heads: &every,
+        };
+        let narrow = answer(&lm, &item(), &blind, None, &stop, Some(all_heads), OPTS).unwrap();
+        assert_eq!(narrow.retrievals.len(), 1);
+        assert_ne!(narrow.answer, plain.answer, "{narrow:?} vs {plain:?}");
+        // Masks need the open-book context.
+        let closed = RagConfig {
+            context: ContextMode::Retrieved,
+            ..masked_cfg()
+        };
+        assert!(answer(&lm, &item(), &closed, None, &stop, Some(signal), OPTS).is_err());
+    }
+
+    fn masked_cfg() -> RagConfig {
+        RagConfig {
+            trigger: TriggerConfig::Once,
+            context: headwise::rag::dragin::ContextMode::AllParagraphs,
+            in_context: Some(headwise::rag::dragin::InContext {
+                heads: headwise::rag::dragin::InContextHeads::Static,
+                k: 8,
+                sink: 0,
+                window: 1,
+                seed: 0,
+            }),
+            ..cfg(TriggerConfig::Once, 1)
+        }
     }
 
     #[test]

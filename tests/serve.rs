@@ -650,6 +650,13 @@ fn rag_requests_retrieve_and_are_counted() {
     body["headwise"] = json!({"rag": "once"});
     let a: Value = post(&server, "/v1/chat/completions", &body).json().unwrap();
     assert_eq!(a["usage"]["headwise"]["retrievals"], 1, "{a}");
+    // The prompt held the question and the three passages retrieved for it.
+    let prompt = a["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert!(prompt > 30, "{a}");
+    assert_eq!(
+        a["usage"]["total_tokens"].as_u64(),
+        Some(prompt + a["usage"]["completion_tokens"].as_u64().unwrap())
+    );
     assert!(
         !a["choices"][0]["message"]["content"]
             .as_str()

@@ -330,6 +330,62 @@ impl MistralRsEngine {
         Ok((trace.tokens, stats))
     }
 
+    /// Greedy generation of up to `max_new` tokens after `tokens`, streamed: `on_token`
+    /// gets each generated id as soon as mistral.rs has produced it and returns whether
+    /// to go on. Returning `false` drops the stream, which cancels the request inside
+    /// mistral.rs (it stops a sequence whose receiver is gone). Stops on EOS (the EOS id
+    /// is delivered) or after `max_new` tokens. Returns the ids delivered.
+    ///
+    /// The ids are the argmax tokens a forcing logits processor recorded (mistral.rs
+    /// streams text, not ids); they are handed out as the text chunks arrive.
+    pub fn stream_greedy(
+        &self,
+        tokens: &[u32],
+        max_new: usize,
+        on_token: &mut dyn FnMut(u32) -> Result<bool>,
+    ) -> Result<Vec<u32>> {
+        self.check_prompt(tokens, max_new)?;
+        if max_new == 0 {
+            return Ok(Vec::new());
+        }
+        let (tx, mut rx) = mpsc::channel(RESPONSE_CHANNEL);
+        let (mut request, recorder) = self.forced_greedy(tokens, max_new, true, tx);
+        request.is_streaming = true;
+        let _turn = self.turn();
+        self.send(Request::Normal(Box::new(request)))?;
+        let mut delivered: Vec<u32> = Vec::new();
+        // Hands out what the recorder holds beyond what was delivered; false: stop.
+        let mut deliver = |delivered: &mut Vec<u32>| -> Result<bool> {
+            let new: Vec<u32> = recorder.finish()?.tokens[delivered.len()..].to_vec();
+            for t in new {
+                delivered.push(t);
+                if !on_token(t)? {
+                    return Ok(false);
+                }
+            }
+            Ok(true)
+        };
+        while let Some(response) = rx.blocking_recv() {
+            let finished = match response {
+                Response::CompletionChunk(chunk) => {
+                    chunk.choices.iter().any(|c| c.finish_reason.is_some())
+                }
+                other => {
+                    check_response(other, "stream")?;
+                    false
+                }
+            };
+            if !deliver(&mut delivered)? {
+                return Ok(delivered);
+            }
+            if finished {
+                break;
+            }
+        }
+        deliver(&mut delivered)?;
+        Ok(delivered)
+    }
+
     /// Greedy generation with a forcing [`StepRecorder`]; the stats are measured.
     fn greedy(
         &self,
@@ -347,19 +403,8 @@ impl MistralRsEngine {
                 },
             ));
         }
-        let recorder = Arc::new(StepRecorder::new(true));
         let (tx, mut rx) = mpsc::channel(RESPONSE_CHANNEL);
-        let mut request = self.request(
-            RequestMessage::CompletionTokens(tokens.to_vec()),
-            SamplingParams {
-                max_len: Some(max_new),
-                stop_toks: self.stop_tokens(stop_on_eos),
-                ..SamplingParams::deterministic()
-            },
-            tx,
-        );
-        let processor: Arc<dyn CustomLogitsProcessor> = recorder.clone();
-        request.logits_processors = Some(vec![processor]);
+        let (request, recorder) = self.forced_greedy(tokens, max_new, stop_on_eos, tx);
         let _turn = self.turn();
         let started = Instant::now();
         self.send(Request::Normal(Box::new(request)))?;
@@ -540,6 +585,30 @@ impl MistralRsEngine {
             },
             None => log.stats(started),
         })
+    }
+
+    /// A request continuing `tokens` by up to `max_new` greedy tokens, forced through a
+    /// [`StepRecorder`] that records them (returned with the request).
+    fn forced_greedy(
+        &self,
+        tokens: &[u32],
+        max_new: usize,
+        stop_on_eos: bool,
+        response: mpsc::Sender<Response>,
+    ) -> (NormalRequest, Arc<StepRecorder>) {
+        let recorder = Arc::new(StepRecorder::new(true));
+        let mut request = self.request(
+            RequestMessage::CompletionTokens(tokens.to_vec()),
+            SamplingParams {
+                max_len: Some(max_new),
+                stop_toks: self.stop_tokens(stop_on_eos),
+                ..SamplingParams::deterministic()
+            },
+            response,
+        );
+        let processor: Arc<dyn CustomLogitsProcessor> = recorder.clone();
+        request.logits_processors = Some(vec![processor]);
+        (request, recorder)
     }
 
     /// A `NormalRequest` with everything this engine does not use switched off.

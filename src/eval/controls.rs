@@ -116,7 +116,7 @@ pub fn pool_size(kind: ControlKind) -> usize {
 ///
 /// Errors: [`Error::InvalidArgument`] when `n` exceeds [`pool_size`];
 /// [`Error::ContextOverflow`] when a prompt plus
-/// [`ANSWER_RESERVE`](crate::eval::datasets::ANSWER_RESERVE) tokens exceeds the context;
+/// [`crate::eval::datasets::ANSWER_RESERVE`] tokens exceeds the context;
 /// tokenizer failures.
 pub fn pool(kind: ControlKind, enc: &Encoder, n: usize, seed: u64) -> Result<Vec<Example>> {
     if n > pool_size(kind) {

@@ -3,8 +3,8 @@
 //! The prompt is prefilled unobserved except for its last token; from then on every
 //! step is observed (attention rows and value vectors of every layer) and scored once
 //! its token is known:
-//! * [`wu`](crate::heads::wu) credits every step;
-//! * [`locos`](crate::heads::locos) scores the steps of the model's own greedy output
+//! * [`crate::heads::wu`] credits every step;
+//! * [`crate::heads::locos`] scores the steps of the model's own greedy output
 //!   that produce the gold answer: the first place where the answer's tokens appear in
 //!   the output, in order (the paper's "decoding steps that produce the correct
 //!   answer"; small models often restate the question before answering, so the answer

@@ -1,7 +1,7 @@
 //! Parity between the instrumented model and llama.cpp, the reference for Gemma 3
 //! (mistral.rs cannot load Gemma 3 from GGUF): perplexity on a fixed text in chunks of
 //! 512 tokens against `llama-perplexity`, and 32 greedy tokens on the fixed
-//! [`prompts`](super::prompts) against `llama-server`. Both engines run on the token ids
+//! [`super::prompts`] against `llama-server`. Both engines run on the token ids
 //! of llama.cpp's own tokenizer, so the comparison is about the model; whether headwise's
 //! tokenizer gives the same ids is reported beside it.
 //!
@@ -105,7 +105,7 @@ impl LlamaCppReport {
 }
 
 /// The fixed perplexity text: the Paul Graham essays of `data_dir/haystack/paul_graham`
-/// in file-name order, joined by blank lines, cut to the first [`PPL_CHARS`] characters.
+/// in file-name order, joined by blank lines, cut to the first `PPL_CHARS` characters.
 pub fn perplexity_text(data_dir: &Path) -> Result<String> {
     let dir = data_dir.join("haystack/paul_graham");
     let mut files: Vec<_> = std::fs::read_dir(&dir)

@@ -1,9 +1,14 @@
-//! The DRAGIN loop on the instrumented model: generate an answer segment observing each
-//! step inline (the output distribution's entropy, the last layer's attention averaged
-//! over heads, the final hidden state for a probe); when the trigger fires, keep the
-//! text before the triggering sentence, retrieve the top passages for the query (QFS or
-//! the question), put them in the prompt in place of the previous ones, and generate
-//! again from the kept text; at most `max_retrievals` times per answer.
+//! The DRAGIN loop: generate an answer segment while the trigger is judged after every
+//! token (by the instrumented model, inline or re-reading what mistral.rs streams: see
+//! [`segment`](crate::rag::segment)); when it fires, keep the text before the
+//! triggering sentence, retrieve the top passages for the query (QFS or the question),
+//! put them in the prompt in place of the previous ones, and generate again from the
+//! kept text; at most `max_retrievals` times per answer.
+//!
+//! In-context retrieval ([`InContext`]) replaces the search: the paragraphs are all in
+//! the prompt, and from the trigger on the answer is generated with a few heads
+//! restricted to their top-k keys, the heads being the static ranking's, the probe's
+//! choice at each step, or random ones.
 //!
 //! Prompt (raw completion, the eval harness's wording):
 //!
@@ -20,16 +25,18 @@
 
 use std::time::Instant;
 
-use candle_core::{DType, Tensor};
 use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
 
-use crate::model::{KvCache, LoadedModel, Logits, NoObserver, Observer, Sampler, Sampling, Wants};
-use crate::probe::Probe;
+use crate::model::{LoadedModel, TopK};
 use crate::rag::corpus::Passage;
 use crate::rag::qa::QaItem;
 use crate::rag::retriever::Retriever;
+use crate::rag::segment::{masked, Judge, MaskHeads};
+pub use crate::rag::segment::{HeadSignal, Instrumented, SegmentSource};
 use crate::rag::text::Stopwords;
-use crate::rag::trigger::{entropy, fires, qfs_query, Segment, TriggerConfig};
+use crate::rag::trigger::{qfs_query, TriggerConfig};
+use crate::rng::SplitMix64;
 use crate::{Error, Result};
 
 /// What goes into the prompt besides retrieved passages.
@@ -79,6 +86,52 @@ pub struct RagConfig {
     pub max_retrievals: usize,
     #[serde(default = "default_on_error")]
     pub on_retriever_error: OnRetrieverError,
+    /// In-context retrieval instead of search: when the trigger fires, the rest of the
+    /// answer is generated with chosen heads restricted to their top-k positions.
+    #[serde(default)]
+    pub in_context: Option<InContext>,
+}
+
+/// In-context retrieval (the dynamic-heads paper's case study): the paragraphs are all
+/// in the prompt; once the trigger fires (`once`: from the first token) the answer is
+/// regenerated from the triggering sentence with `n` heads restricted, at every step,
+/// to their `k` best-scoring keys plus `sink` + `window` (the `topk_mask` policy's
+/// mask), `n` being the number of watched heads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct InContext {
+    pub heads: InContextHeads,
+    #[serde(default = "default_mask_k")]
+    pub k: usize,
+    #[serde(default = "default_mask_sink")]
+    pub sink: usize,
+    #[serde(default = "default_mask_window")]
+    pub window: usize,
+    /// `random`: the draw's seed (mixed with the question's id).
+    #[serde(default)]
+    pub seed: u64,
+}
+
+/// Which heads an in-context retrieval masks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum InContextHeads {
+    /// The static ranking's top heads (the watched heads), every step.
+    Static,
+    /// The heads the probe predicts most active, chosen again at every step (dynamic).
+    Probe,
+    /// As many heads drawn at random per question.
+    Random,
+}
+
+fn default_mask_k() -> usize {
+    32
+}
+fn default_mask_sink() -> usize {
+    4
+}
+fn default_mask_window() -> usize {
+    32
 }
 
 fn default_query() -> QueryConfig {
@@ -107,16 +160,19 @@ impl RagConfig {
         if self.passages == 0 {
             return Err(Error::invalid("passages", "0 (must be at least 1)"));
         }
+        if let Some(ic) = &self.in_context {
+            if self.context != ContextMode::AllParagraphs {
+                return Err(Error::invalid(
+                    "in_context",
+                    "needs context = \"all_paragraphs\" (the paragraphs to retrieve from)",
+                ));
+            }
+            if ic.k == 0 {
+                return Err(Error::invalid("in_context", "k = 0 (must be at least 1)"));
+            }
+        }
         Ok(())
     }
-}
-
-/// The probe behind a `retrieval_heads` trigger and the heads it watches.
-#[derive(Debug, Clone, Copy)]
-pub struct HeadSignal<'a> {
-    pub probe: &'a Probe,
-    /// `layer * n_heads + head` of the watched heads.
-    pub heads: &'a [usize],
 }
 
 /// One retrieval of an answer.
@@ -134,139 +190,13 @@ pub struct Retrieval {
 pub struct RagAnswer {
     pub answer: String,
     pub retrievals: Vec<Retrieval>,
+    /// Prompt tokens read, over every segment (each segment reads its whole prompt).
+    pub prompt_tokens: usize,
     /// Tokens generated, discarded ones included.
     pub generated_tokens: usize,
     pub secs: f64,
     /// Retriever failures the answer went on without.
     pub retriever_errors: Vec<String>,
-}
-
-/// Everything one segment's steps showed.
-struct SegmentRun {
-    tokens: Vec<u32>,
-    pieces: Vec<String>,
-    entropy: Vec<f32>,
-    /// `rows[j]`: last-layer attention (mean over heads) of generated token `j` as the
-    /// query over positions `0..=prompt + j`.
-    rows: Vec<Vec<f32>>,
-    /// Mean predicted activity of the watched heads at the step that produced token `j`.
-    signal: Vec<f32>,
-}
-
-/// Keeps the last layer's head-averaged attention row and the final hidden state of a
-/// single-query step.
-struct StepObserver {
-    last_layer: usize,
-    attention: bool,
-    hidden: bool,
-    row: Option<Vec<f32>>,
-    final_hidden: Option<Vec<f32>>,
-}
-
-impl Observer for StepObserver {
-    fn wants(&self) -> Wants {
-        Wants {
-            attention: self.attention,
-            final_hidden: self.hidden,
-            ..Wants::default()
-        }
-    }
-
-    fn attention(&mut self, layer: usize, probs: &Tensor) {
-        if layer == self.last_layer {
-            self.row = probs
-                .mean(0)
-                .and_then(|m| m.flatten_all())
-                .and_then(|m| m.to_dtype(DType::F32))
-                .and_then(|m| m.to_vec1())
-                .ok();
-        }
-    }
-
-    fn final_hidden(&mut self, hidden: &Tensor) {
-        self.final_hidden = hidden.flatten_all().and_then(|h| h.to_vec1()).ok();
-    }
-}
-
-/// Greedy generation of at most `max_new` tokens after `prompt`, stopping at a stop
-/// token or at a newline after some text, observing what the trigger needs.
-fn run_segment(
-    lm: &LoadedModel,
-    prompt: &[u32],
-    max_new: usize,
-    observe: bool,
-    signal: Option<HeadSignal>,
-) -> Result<SegmentRun> {
-    let model = &lm.model;
-    let cfg = model.config();
-    let mut kv = KvCache::new(cfg, prompt.len() + max_new + 1);
-    let edits = Default::default();
-    if prompt.len() > 1 {
-        model.forward(
-            &prompt[..prompt.len() - 1],
-            &mut kv,
-            Logits::Last,
-            &mut NoObserver,
-            &edits,
-        )?;
-    }
-    let mut obs = StepObserver {
-        last_layer: cfg.n_layers - 1,
-        attention: observe,
-        hidden: signal.is_some(),
-        row: None,
-        final_hidden: None,
-    };
-    let mut sampler = Sampler::new(Sampling::default())?;
-    let mut run = SegmentRun {
-        tokens: Vec::new(),
-        pieces: Vec::new(),
-        entropy: Vec::new(),
-        rows: Vec::new(),
-        signal: Vec::new(),
-    };
-    let mut ws = signal.map(|s| s.probe.workspace());
-    let mut probe_out = Vec::new();
-    let mut input = *prompt
-        .last()
-        .ok_or_else(|| Error::invalid("prompt", "empty"))?;
-    let mut text = String::new();
-    for step in 0..=max_new {
-        let logits = model.forward(&[input], &mut kv, Logits::Last, &mut obs, &edits)?;
-        if step > 0 && observe {
-            // This step's query was the token generated before it.
-            run.rows.push(obs.row.take().unwrap_or_default());
-        }
-        if step == max_new || (step > 0 && stops(lm, &text, input)) {
-            break;
-        }
-        let next = sampler.sample(&logits)?;
-        if observe {
-            let values: Vec<f32> = logits.flatten_all()?.to_dtype(DType::F32)?.to_vec1()?;
-            run.entropy.push(entropy(&values));
-        }
-        if let (Some(s), Some(h)) = (signal, obs.final_hidden.take()) {
-            let ws = ws.as_mut().expect("made with the signal");
-            probe_out.resize(s.probe.output_dim(), 0.0);
-            s.probe.predict_into(&h, ws, &mut probe_out)?;
-            let mean =
-                s.heads.iter().map(|&i| probe_out[i]).sum::<f32>() / s.heads.len().max(1) as f32;
-            run.signal.push(mean);
-        }
-        let piece = if lm.special.stop.contains(&next) {
-            String::new()
-        } else {
-            lm.decode(&[next])?
-        };
-        text.push_str(&piece);
-        run.tokens.push(next);
-        run.pieces.push(piece);
-        input = next;
-        if !observe && (stops(lm, &text, next) || run.tokens.len() == max_new) {
-            break;
-        }
-    }
-    Ok(run)
 }
 
 /// The text of `tokens`, stop tokens left out.
@@ -277,11 +207,6 @@ fn decode_answer(lm: &LoadedModel, tokens: &[u32]) -> Result<String> {
         .filter(|t| !lm.special.stop.contains(t))
         .collect();
     lm.decode(&ids)
-}
-
-/// Whether generation ends after `last`: a stop token, or a newline after some text.
-fn stops(lm: &LoadedModel, text: &str, last: u32) -> bool {
-    lm.special.stop.contains(&last) || text.trim_start().contains('\n')
 }
 
 /// The prompt text for `item` with `passages` and the kept answer text.
@@ -325,13 +250,27 @@ fn sentence_start(text: &str, at: usize) -> usize {
     text[..at].rfind(['.', '!', '?', '\n']).map_or(0, |i| i + 1)
 }
 
-/// How answers are prompted and how long they may be.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct AnswerOptions {
+/// How answers are prompted, how long they may be and which engine writes them.
+#[derive(Debug, Clone, Copy)]
+pub struct AnswerOptions<'a> {
     /// Tokens per segment at most.
     pub max_new: usize,
     /// Put the prompt in the model's chat template (else raw completion).
     pub chat: bool,
+    /// Generates the segments: [`Instrumented`], or mistral.rs streaming.
+    pub engine: &'a dyn SegmentSource,
+}
+
+/// `n` of the model's `total` heads drawn for the question `id` with `seed`, sorted.
+fn random_heads(total: usize, n: usize, seed: u64, id: &str) -> Vec<usize> {
+    let digest = Sha256::digest(id.as_bytes());
+    let salt = u64::from_le_bytes(digest[..8].try_into().expect("8 bytes"));
+    let mut rng = SplitMix64::new(seed, salt);
+    let mut order: Vec<usize> = (0..total).collect();
+    rng.shuffle(&mut order);
+    order.truncate(n.min(total));
+    order.sort_unstable();
+    order
 }
 
 /// The prompt ids for `item` with `passages` and the kept answer text.
@@ -357,7 +296,9 @@ fn prompt_ids(
     Ok(ids)
 }
 
-/// Answer `item` under `cfg`, with `retriever` (none: no retrieval happens).
+/// Answer `item` under `cfg`, with `retriever` (none: no search happens). `signal`
+/// carries the watched heads (and the probe) for `retrieval_heads` and in-context
+/// retrieval.
 pub fn answer(
     lm: &LoadedModel,
     item: &QaItem,
@@ -369,19 +310,58 @@ pub fn answer(
 ) -> Result<RagAnswer> {
     let max_new = opts.max_new;
     cfg.validate()?;
-    if matches!(cfg.trigger, TriggerConfig::RetrievalHeads { .. }) && signal.is_none() {
-        return Err(Error::invalid("trigger", "retrieval_heads needs a probe"));
+    let heads_trigger = matches!(cfg.trigger, TriggerConfig::RetrievalHeads { .. });
+    let probe_masks = cfg
+        .in_context
+        .is_some_and(|ic| ic.heads == InContextHeads::Probe);
+    if (heads_trigger || probe_masks) && signal.and_then(|s| s.probe).is_none() {
+        return Err(Error::invalid(
+            "rag",
+            "retrieval_heads triggers and probe-chosen masks need a probe",
+        ));
     }
+    let n_heads = lm.model.config().n_layers * lm.model.config().n_heads;
+    let mask = match cfg.in_context {
+        None => None,
+        Some(ic) => {
+            if opts.engine.name() != Instrumented.name() {
+                return Err(Error::invalid(
+                    "in_context",
+                    "masked heads run on the instrumented engine only",
+                ));
+            }
+            let watched = signal.map(|s| s.heads).unwrap_or_default();
+            if watched.is_empty() {
+                return Err(Error::invalid(
+                    "in_context",
+                    "needs the watched heads (a ranking) to know how many heads to mask",
+                ));
+            }
+            let fixed = match ic.heads {
+                InContextHeads::Static => watched.to_vec(),
+                InContextHeads::Random => random_heads(n_heads, watched.len(), ic.seed, &item.id),
+                InContextHeads::Probe => Vec::new(),
+            };
+            let tk = TopK {
+                k: ic.k,
+                sink: ic.sink,
+                window: ic.window,
+            };
+            Some((ic.heads, fixed, watched.len(), tk))
+        }
+    };
     let t0 = Instant::now();
     let mut out = RagAnswer {
         answer: String::new(),
         retrievals: Vec::new(),
+        prompt_tokens: 0,
         generated_tokens: 0,
         secs: 0.0,
         retriever_errors: Vec::new(),
     };
     let mut retrieved: Vec<Passage> = Vec::new();
-    let mut retriever = retriever;
+    // In-context retrieval needs no retriever; search never runs with it.
+    let mut retriever = if mask.is_some() { None } else { retriever };
     let search = |query: &str,
                   at: usize,
                   out: &mut RagAnswer,
@@ -413,8 +393,20 @@ pub fn answer(
             Err(e) => Err(e),
         }
     };
+    // An in-context retrieval: recorded with no query and no passages.
+    let in_context_at = |at: usize, out: &mut RagAnswer| {
+        out.retrievals.push(Retrieval {
+            at_token: at,
+            query: String::new(),
+            ids: Vec::new(),
+        })
+    };
+    let mut masking = false;
     if cfg.trigger == TriggerConfig::Once && cfg.max_retrievals > 0 {
-        if let Some(p) = search(&item.question, 0, &mut out, &mut retriever)? {
+        if mask.is_some() {
+            in_context_at(0, &mut out);
+            masking = true;
+        } else if let Some(p) = search(&item.question, 0, &mut out, &mut retriever)? {
             retrieved = p;
         }
     }
@@ -427,69 +419,69 @@ pub fn answer(
         };
         passages.extend(retrieved.iter().cloned());
         let ids = prompt_ids(lm, item, &passages, &kept, opts.chat)?;
-        let may_fire = retriever.is_some()
+        out.prompt_tokens += ids.len();
+        if let (true, Some((kind, fixed, n, tk))) = (masking, &mask) {
+            let heads = match (kind, signal.and_then(|s| s.probe)) {
+                (InContextHeads::Probe, Some(probe)) => MaskHeads::Probe { probe, n: *n },
+                _ => MaskHeads::Fixed(fixed),
+            };
+            let seg = masked(lm, &ids, max_new, heads, *tk)?;
+            out.generated_tokens += seg.tokens.len();
+            kept.push_str(&decode_answer(lm, &seg.tokens)?);
+            break;
+        }
+        let may_fire = (retriever.is_some() || mask.is_some())
             && out.retrievals.len() < cfg.max_retrievals
             && !matches!(cfg.trigger, TriggerConfig::Never | TriggerConfig::Once);
-        let seg = run_segment(lm, &ids, max_new, may_fire, signal.filter(|_| may_fire))?;
+        let judge = may_fire.then_some(Judge {
+            trigger: &cfg.trigger,
+            stop,
+            offset: kept_tokens,
+            signal: signal.filter(|_| heads_trigger),
+        });
+        let seg = opts.engine.segment(lm, &ids, max_new, judge)?;
         out.generated_tokens += seg.tokens.len();
-        let text = decode_answer(lm, &seg.tokens)?;
-        let fired = if may_fire {
-            let pieces: Vec<&str> = seg.pieces.iter().map(String::as_str).collect();
-            let p = ids.len();
-            let attention: Vec<Vec<f32>> = seg
-                .rows
-                .iter()
-                .map(|row| {
-                    (0..pieces.len())
-                        .map(|i| row.get(p + i).copied().unwrap_or(0.0))
-                        .collect()
-                })
-                .collect();
-            let segment = Segment {
-                pieces: &pieces,
-                entropy: &seg.entropy,
-                attention: &attention,
-                head_signal: (!seg.signal.is_empty()).then_some(seg.signal.as_slice()),
-                offset: kept_tokens,
-            };
-            fires(&cfg.trigger, &segment, stop)?
-        } else {
-            None
-        };
-        let Some(f) = fired else {
-            kept.push_str(&text);
+        let Some(f) = seg.fired else {
+            kept.push_str(&decode_answer(lm, &seg.tokens)?);
             break;
         };
         let before = decode_answer(lm, &seg.tokens[..f])?;
         let cut = sentence_start(&before, before.len());
-        let query = match cfg.query {
-            QueryConfig::Question => item.question.clone(),
-            QueryConfig::Qfs { words } => {
-                // The question line of the prompt and the answer so far: not the
-                // instruction, the passages or the chat template's words.
-                let prompt: Vec<String> = ids
-                    .iter()
-                    .map(|&t| lm.decode(&[t]))
-                    .collect::<Result<_>>()?;
-                let span = question_span(&prompt);
-                let row = seg.rows.get(f).cloned().unwrap_or_default();
-                let mut context: Vec<&str> =
-                    prompt[span.clone()].iter().map(String::as_str).collect();
-                let mut att: Vec<f32> = span.map(|i| row.get(i).copied().unwrap_or(0.0)).collect();
-                for (i, piece) in seg.pieces[..f].iter().enumerate() {
-                    context.push(piece);
-                    att.push(row.get(ids.len() + i).copied().unwrap_or(0.0));
-                }
-                qfs_query(&context, &att, words, stop)
-            }
-        };
         let at = kept_tokens + f;
-        match search(&query, at, &mut out, &mut retriever)? {
-            Some(p) => retrieved = p,
-            None => {
-                // The retriever is gone: finish this segment as it is.
-                kept.push_str(&text);
-                break;
+        if mask.is_some() {
+            in_context_at(at, &mut out);
+            masking = true;
+        } else {
+            let query = match cfg.query {
+                QueryConfig::Question => item.question.clone(),
+                QueryConfig::Qfs { words } => {
+                    // The question line of the prompt and the answer so far: not the
+                    // instruction, the passages or the chat template's words.
+                    let prompt: Vec<String> = ids
+                        .iter()
+                        .map(|&t| lm.decode(&[t]))
+                        .collect::<Result<_>>()?;
+                    let span = question_span(&prompt);
+                    let row = seg.rows.get(f).cloned().unwrap_or_default();
+                    let mut context: Vec<&str> =
+                        prompt[span.clone()].iter().map(String::as_str).collect();
+                    let mut att: Vec<f32> =
+                        span.map(|i| row.get(i).copied().unwrap_or(0.0)).collect();
+                    for (i, piece) in seg.pieces[..f].iter().enumerate() {
+                        context.push(piece);
+                        att.push(row.get(ids.len() + i).copied().unwrap_or(0.0));
+                    }
+                    qfs_query(&context, &att, words, stop)
+                }
+            };
+            match search(&query, at, &mut out, &mut retriever)? {
+                Some(p) => retrieved = p,
+                None => {
+                    // The retriever is gone: keep the segment and go on without it.
+                    kept.push_str(&decode_answer(lm, &seg.tokens)?);
+                    kept_tokens += seg.tokens.len();
+                    continue;
+                }
             }
         }
         kept.push_str(&before[..cut]);
@@ -509,4 +501,19 @@ pub fn answer(
         .to_string();
     out.secs = t0.elapsed().as_secs_f64();
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn random_heads_are_fixed_by_seed_and_question() {
+        let a = random_heads(270, 9, 1, "q1");
+        assert_eq!(a, random_heads(270, 9, 1, "q1"));
+        assert_ne!(a, random_heads(270, 9, 1, "q2"));
+        assert_ne!(a, random_heads(270, 9, 2, "q1"));
+        assert_eq!(a.len(), 9);
+        assert!(a.windows(2).all(|w| w[0] < w[1]) && a[8] < 270);
+    }
 }

@@ -33,14 +33,17 @@ use crate::eval::run::{append_jsonl, open_append, read_jsonl};
 use crate::heads::ranking::Ranking;
 use crate::metrics::Metric;
 use crate::model::{LoadedModel, ModelId};
+use crate::plot::{interval_panels, Panel};
 use crate::probe::Probe;
 use crate::rag::corpus::{pool, CorpusFormat};
-use crate::rag::dragin::{answer, AnswerOptions, HeadSignal, RagConfig};
+use crate::rag::dragin::{
+    answer, AnswerOptions, HeadSignal, InContextHeads, Instrumented, RagConfig, SegmentSource,
+};
 use crate::rag::qa::{self, QaItem};
 use crate::rag::text::Stopwords;
 use crate::rag::trigger::TriggerConfig;
 use crate::rag::Bm25Index;
-use crate::results::{write_experiment, ResultRecord, SCHEMA_VERSION};
+use crate::results::{write_atomic, write_experiment, ResultRecord, SCHEMA_VERSION};
 use crate::{Error, Result};
 
 /// A RAG experiment.
@@ -106,6 +109,31 @@ pub struct RagTask {
 pub struct Variant {
     pub name: String,
     pub rag: RagConfig,
+    /// Which engine generates the answers.
+    #[serde(default)]
+    pub engine: EngineKind,
+    /// Only these tasks (default: all).
+    #[serde(default)]
+    pub tasks: Option<Vec<String>>,
+}
+
+impl Variant {
+    fn runs_on(&self, task: &str) -> bool {
+        self.tasks
+            .as_ref()
+            .is_none_or(|t| t.iter().any(|name| name == task))
+    }
+}
+
+/// The engine of a variant.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EngineKind {
+    /// The instrumented model generates, observing inline.
+    #[default]
+    Instrumented,
+    /// mistral.rs generates and streams; the instrumented model re-reads the tokens.
+    Mistralrs,
 }
 
 impl RagSpec {
@@ -118,6 +146,26 @@ impl RagSpec {
             v.rag
                 .validate()
                 .map_err(|e| Error::invalid("variant", format!("`{}`: {e}", v.name)))?;
+            if let Some(unknown) = v
+                .tasks
+                .iter()
+                .flatten()
+                .find(|t| !spec.tasks.iter().any(|task| &&task.name == t))
+            {
+                return Err(Error::invalid(
+                    "variant",
+                    format!("`{}`: no task named `{unknown}`", v.name),
+                ));
+            }
+            if v.engine == EngineKind::Mistralrs && v.rag.in_context.is_some() {
+                return Err(Error::invalid(
+                    "variant",
+                    format!(
+                        "`{}`: in-context retrieval masks heads of the instrumented engine only",
+                        v.name
+                    ),
+                ));
+            }
         }
         if spec.variants.is_empty() || spec.tasks.is_empty() {
             return Err(Error::invalid(
@@ -158,27 +206,65 @@ pub fn run(
     bar: Option<&ProgressBar>,
 ) -> Result<usize> {
     let stop = Stopwords::load(&data_dir.join(&spec.stopwords))?;
-    let needs_probe = spec
+    let uses_heads = |v: &Variant| {
+        matches!(v.rag.trigger, TriggerConfig::RetrievalHeads { .. }) || v.rag.in_context.is_some()
+    };
+    let uses_probe = |v: &Variant| {
+        matches!(v.rag.trigger, TriggerConfig::RetrievalHeads { .. })
+            || v.rag
+                .in_context
+                .is_some_and(|ic| ic.heads == InContextHeads::Probe)
+    };
+    let sub = |s: &Option<String>, what: &str| {
+        s.as_ref()
+            .map(|p| PathBuf::from(p.replace("{model}", &id.name)))
+            .ok_or_else(|| {
+                Error::invalid(
+                    what,
+                    "retrieval_heads and in-context variants need it in the spec",
+                )
+            })
+    };
+    let probe = match spec.variants.iter().any(uses_probe) {
+        true => Some(Probe::load(&sub(&spec.probe, "probe")?)?),
+        false => None,
+    };
+    let watched: Vec<usize> = match spec.variants.iter().any(uses_heads) {
+        true => {
+            let ranking = Ranking::load(&sub(&spec.ranking, "ranking")?)?;
+            let n_heads = lm.model.config().n_heads;
+            ranking
+                .top(spec.watched_heads)
+                .iter()
+                .map(|h| h.layer * n_heads + h.head)
+                .collect()
+        }
+        false => Vec::new(),
+    };
+    let signal = HeadSignal {
+        probe: probe.as_ref(),
+        heads: &watched,
+    };
+    #[cfg(feature = "mistralrs")]
+    let mistralrs = match spec
         .variants
         .iter()
-        .any(|v| matches!(v.rag.trigger, TriggerConfig::RetrievalHeads { .. }));
-    let watched = if needs_probe {
-        let sub = |s: &Option<String>, what: &str| {
-            s.as_ref()
-                .map(|p| PathBuf::from(p.replace("{model}", &id.name)))
-                .ok_or_else(|| Error::invalid(what, "retrieval_heads variants need it in the spec"))
-        };
-        let probe = Probe::load(&sub(&spec.probe, "probe")?)?;
-        let ranking = Ranking::load(&sub(&spec.ranking, "ranking")?)?;
-        let n_heads = lm.model.config().n_heads;
-        let heads: Vec<usize> = ranking
-            .top(spec.watched_heads)
-            .iter()
-            .map(|h| h.layer * n_heads + h.head)
-            .collect();
-        Some((probe, heads))
-    } else {
-        None
+        .any(|v| v.engine == EngineKind::Mistralrs)
+    {
+        true => Some(crate::engine::mistralrs::MistralRsEngine::load(&lm.path)?),
+        false => None,
+    };
+    let engine_of = |v: &Variant| -> Result<&dyn SegmentSource> {
+        match v.engine {
+            EngineKind::Instrumented => Ok(&Instrumented),
+            #[cfg(feature = "mistralrs")]
+            EngineKind::Mistralrs => Ok(mistralrs.as_ref().expect("loaded above")),
+            #[cfg(not(feature = "mistralrs"))]
+            EngineKind::Mistralrs => Err(Error::invalid(
+                "engine",
+                "mistralrs: this build has no mistral.rs (feature `mistralrs`)",
+            )),
+        }
     };
     std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
     let path = out.join("records.jsonl");
@@ -202,25 +288,28 @@ pub fn run(
             .min()
             .unwrap_or(all.len());
         let items: Vec<&QaItem> = all.iter().take(n).collect();
+        let variants: Vec<&Variant> = spec
+            .variants
+            .iter()
+            .filter(|v| v.runs_on(&task.name))
+            .collect();
         if let Some(b) = bar {
-            b.inc_length((items.len() * spec.variants.len()) as u64);
+            b.inc_length((items.len() * variants.len()) as u64);
         }
         for item in items {
-            for v in &spec.variants {
+            for v in variants.iter().copied() {
                 if let Some(b) = bar {
                     b.inc(1);
                 }
                 if done.contains(&(task.name.clone(), item.id.clone(), v.name.clone())) {
                     continue;
                 }
-                let signal = watched
-                    .as_ref()
-                    .map(|(probe, heads)| HeadSignal { probe, heads });
                 let opts = AnswerOptions {
                     max_new: spec.max_new,
                     chat: spec.chat,
+                    engine: engine_of(v)?,
                 };
-                let a = answer(lm, item, &v.rag, Some(&index), &stop, signal, opts)?;
+                let a = answer(lm, item, &v.rag, Some(&index), &stop, Some(signal), opts)?;
                 let record = RagRecord {
                     task: task.name.clone(),
                     id: item.id.clone(),
@@ -241,6 +330,45 @@ pub fn run(
         }
     }
     Ok(generated)
+}
+
+/// For every two variants with the same RAG settings on different engines: on how many
+/// questions both ran, they gave the same answer and retrieved with the same queries
+/// (QFS queries come from attention, so equal queries mean equal observations).
+fn engine_agreement(spec: &RagSpec, records: &[RagRecord]) -> String {
+    let by_key: BTreeMap<(&str, &str, &str), &RagRecord> = records
+        .iter()
+        .map(|r| ((r.variant.as_str(), r.task.as_str(), r.id.as_str()), r))
+        .collect();
+    let mut md = String::new();
+    for (i, a) in spec.variants.iter().enumerate() {
+        for b in &spec.variants[i + 1..] {
+            if a.rag != b.rag || a.engine == b.engine {
+                continue;
+            }
+            let (mut n, mut answers, mut queries) = (0, 0, 0);
+            for ra in records.iter().filter(|r| r.variant == a.name) {
+                let Some(rb) = by_key.get(&(b.name.as_str(), ra.task.as_str(), ra.id.as_str()))
+                else {
+                    continue;
+                };
+                n += 1;
+                answers += usize::from(ra.answer == rb.answer);
+                queries += usize::from(ra.queries == rb.queries);
+            }
+            if md.is_empty() {
+                md.push_str(
+                    "\n| engines compared | questions | same answer | same retrieval queries |\n\
+                     |---|---:|---:|---:|\n",
+                );
+            }
+            md.push_str(&format!(
+                "| `{}` vs `{}` | {n} | {answers} | {queries} |\n",
+                a.name, b.name
+            ));
+        }
+    }
+    md
 }
 
 /// Mean and standard error of `xs`.
@@ -268,6 +396,7 @@ pub fn write_report(
             .push(r);
     }
     let mut summary = Vec::new();
+    let mut panels: Vec<Panel> = Vec::new();
     let mut md = format!(
         "# RAG: {}\n\nCommand: `{command}`\n\nBM25 (tantivy) over each task's paragraph pool; greedy answers of at most {} tokens \
          per segment; EM/F1 with SQuAD normalisation, mean ± standard error over questions.\n\n\
@@ -276,8 +405,10 @@ pub fn write_report(
         id.name, spec.max_new
     );
     for task in &spec.tasks {
+        let mut f1s = Vec::new();
         for v in &spec.variants {
             let Some(rs) = groups.get(&(task.name.clone(), v.name.clone())) else {
+                f1s.push(None);
                 continue;
             };
             let col =
@@ -287,6 +418,7 @@ pub fn write_report(
             let ret = col(|r| r.retrievals as f64);
             let tok = col(|r| r.generated_tokens as f64);
             let secs = col(|r| r.secs);
+            f1s.push(Some(f1));
             md.push_str(&format!(
                 "| {} | {} | {} | {:.3} ± {:.3} | {:.3} ± {:.3} | {:.2} | {:.1} | {:.2} |\n",
                 task.name,
@@ -325,12 +457,36 @@ pub fn write_report(
                 });
             }
         }
+        if f1s.iter().any(Option::is_some) {
+            panels.push((task.name.clone(), f1s));
+        }
     }
+    if !panels.is_empty() {
+        let names: Vec<String> = spec.variants.iter().map(|v| v.name.clone()).collect();
+        let svg = interval_panels(
+            &format!("RAG F1 by variant, {} (mean ± standard error)", id.name),
+            "F1",
+            &names,
+            &panels,
+            (1000, 120 + 28 * names.len() as u32),
+        )?;
+        write_atomic(&dir.join("f1.svg"), svg.as_bytes())?;
+        md.push_str("\n![F1 by variant](f1.svg)\n");
+    }
+    md.push_str(&engine_agreement(spec, &records));
     md.push_str("\nVariants:\n\n");
     for v in &spec.variants {
         md.push_str(&format!(
-            "- `{}`: {}\n",
+            "- `{}` ({} engine{}): {}\n",
             v.name,
+            serde_json::to_value(v.engine)
+                .ok()
+                .and_then(|e| e.as_str().map(str::to_string))
+                .unwrap_or_default(),
+            v.tasks
+                .as_ref()
+                .map(|t| format!(", {} only", t.join(", ")))
+                .unwrap_or_default(),
             serde_json::to_string(&v.rag).unwrap_or_default()
         ));
     }

@@ -1,7 +1,9 @@
 //! Dynamic retrieval-augmented generation, DRAGIN-style: passages and corpora
 //! ([`corpus`]), retrievers ([`bm25`] embedded, [`http`] over the Elasticsearch
 //! `_search` subset, [`search_server`] serving an index through that API), and the
-//! decisions of when to retrieve and what to ask ([`trigger`], over [`text`]'s words).
+//! decisions of when to retrieve and what to ask ([`trigger`], over [`text`]'s words);
+//! answer segments from either engine ([`segment`]) and the loop around them
+//! ([`dragin`]).
 
 pub mod bm25;
 pub mod corpus;
@@ -11,6 +13,7 @@ pub mod http;
 pub mod qa;
 pub mod retriever;
 pub mod search_server;
+pub mod segment;
 pub mod text;
 pub mod trigger;
 

@@ -1,5 +1,8 @@
 //! When to retrieve. A trigger looks at a generated segment and names the first token
-//! that needs retrieval, or none:
+//! that needs retrieval, or none. It is asked after every generated token, over the
+//! segment so far ([`Segment::complete`] false): a word still being written (the last
+//! one) is not judged until a later token starts a new word or the segment ends, so
+//! generation stops as soon as the trigger can decide, on either engine:
 //!
 //! - `rind` (DRAGIN): for each generated word `i`, `S_i = H_i * a_max(i) * s_i`, with
 //!   `H_i` the entropy (nats) of the output distribution that produced the word (its
@@ -78,6 +81,20 @@ pub struct Segment<'a> {
     pub head_signal: Option<&'a [f32]>,
     /// Tokens generated before this segment (for `every_n`).
     pub offset: usize,
+    /// Whether the segment has ended; if not, its last word may still grow and is not
+    /// judged by `rind` or `retrieval_heads`.
+    pub complete: bool,
+}
+
+impl Segment<'_> {
+    /// The token ranges of the words a trigger may judge now.
+    fn judged_words(&self) -> Vec<std::ops::Range<usize>> {
+        let mut all = words(self.pieces);
+        if !self.complete && all.last().is_some_and(|r| r.end == self.pieces.len()) {
+            all.pop();
+        }
+        all
+    }
 }
 
 /// RIND's parts for one word.
@@ -91,9 +108,10 @@ pub struct WordScore {
     pub score: f32,
 }
 
-/// RIND's score of every word of the segment.
+/// RIND's score of every judged word of the segment. For a word followed by another,
+/// the score can only grow as the segment does (`a_max` is a maximum over more tokens).
 pub fn rind_scores(seg: &Segment, stop: &Stopwords) -> Vec<WordScore> {
-    words(seg.pieces)
+    seg.judged_words()
         .into_iter()
         .map(|r| {
             let word = word_text(seg.pieces, &r);
@@ -133,7 +151,7 @@ pub fn fires(cfg: &TriggerConfig, seg: &Segment, stop: &Stopwords) -> Result<Opt
             let signal = seg.head_signal.ok_or_else(|| {
                 Error::invalid("trigger", "retrieval_heads needs a probe's head signal")
             })?;
-            words(seg.pieces)
+            seg.judged_words()
                 .into_iter()
                 .find(|r| {
                     stop.is_content(&word_text(seg.pieces, r))
@@ -211,6 +229,7 @@ mod tests {
             attention: &attention,
             head_signal: None,
             offset: 0,
+            complete: true,
         };
         let s = rind_scores(&seg, &stop());
         let by = |w: &str| s.iter().find(|x| x.word == w).unwrap().clone();
@@ -237,6 +256,7 @@ mod tests {
             attention: &att,
             head_signal: Some(&[0.9, 0.1, 0.2, 0.9]),
             offset,
+            complete: true,
         };
         let every = TriggerConfig::EveryN { n: 3 };
         assert_eq!(fires(&every, &seg(0), &stop()).unwrap(), Some(3));
@@ -250,6 +270,54 @@ mod tests {
         .validate()
         .is_err());
         assert!(TriggerConfig::EveryN { n: 0 }.validate().is_err());
+    }
+
+    #[test]
+    fn an_unfinished_segment_leaves_its_last_word_unjudged() {
+        let stop = stop();
+        let heads = TriggerConfig::RetrievalHeads { threshold: 0.5 };
+        let signal = [0.9, 0.9, 0.1, 0.1];
+        let zeros = [0.0; 4];
+        let att = vec![vec![0.0; 4]; 4];
+        let seg = |pieces: &'static [&'static str], complete| Segment {
+            pieces,
+            entropy: &zeros[..pieces.len()],
+            attention: &att[..pieces.len()],
+            head_signal: Some(&signal[..pieces.len()]),
+            offset: 0,
+            complete,
+        };
+        // " Eiff" may become " Eiffel": not judged until the segment ends or a word follows.
+        assert_eq!(
+            fires(&heads, &seg(&["a", " b", " Eiff"], false), &stop).unwrap(),
+            None
+        );
+        assert_eq!(
+            fires(&heads, &seg(&["a", " b", " Eiff"], true), &stop).unwrap(),
+            Some(2)
+        );
+        assert_eq!(
+            fires(&heads, &seg(&["a", " b", " Eiff", "el"], false), &stop).unwrap(),
+            None
+        );
+        // RIND: the last word has no later token to be attended by, so it scores 0 anyway,
+        // and an earlier word's score grows with the tokens after it.
+        let pieces = ["The", " tower", " was", " tall"];
+        let entropy = [1.0; 4];
+        let mut attention = vec![vec![0.0f32; 4]; 4];
+        attention[2][1] = 0.3;
+        attention[3][1] = 0.8;
+        let rind = TriggerConfig::Rind { threshold: 0.5 };
+        let prefix = |n: usize| Segment {
+            pieces: &pieces[..n],
+            entropy: &entropy[..n],
+            attention: &attention[..n],
+            head_signal: None,
+            offset: 0,
+            complete: false,
+        };
+        assert_eq!(fires(&rind, &prefix(3), &stop).unwrap(), None);
+        assert_eq!(fires(&rind, &prefix(4), &stop).unwrap(), Some(1));
     }
 
     #[test]

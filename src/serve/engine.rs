@@ -19,7 +19,7 @@ use tokio::sync::Semaphore;
 
 use crate::policy::{GenerateRequest, Runtime, Step};
 use crate::rag::dragin::{
-    answer, AnswerOptions, ContextMode, OnRetrieverError, QueryConfig, RagConfig,
+    answer, AnswerOptions, ContextMode, Instrumented, OnRetrieverError, QueryConfig, RagConfig,
 };
 use crate::rag::qa::QaItem;
 use crate::rag::text::Stopwords;
@@ -402,10 +402,12 @@ impl Engine {
             passages: 3,
             max_retrievals: 3,
             on_retriever_error: OnRetrieverError::Continue,
+            in_context: None,
         };
         let opts = AnswerOptions {
             max_new: job.request.max_tokens,
             chat: rt.model().chat_template.is_some(),
+            engine: &Instrumented,
         };
         let t0 = Instant::now();
         match answer(
@@ -426,9 +428,9 @@ impl Engine {
                 Event::Done {
                     finish: "stop",
                     usage: Usage {
-                        prompt_tokens: 0,
+                        prompt_tokens: a.prompt_tokens,
                         completion_tokens: a.generated_tokens,
-                        total_tokens: a.generated_tokens,
+                        total_tokens: a.prompt_tokens + a.generated_tokens,
                         headwise: HeadwiseUsage {
                             policy: job.policy.clone(),
                             kv_bytes: 0,

@@ -5,7 +5,7 @@
 //! ## Prompts
 //!
 //! Raw completions (no chat template), BOS first when the tokenizer adds one, assembled
-//! piece by piece with [`PromptBuilder`](crate::eval::PromptBuilder) so that the spans of
+//! piece by piece with [`crate::eval::PromptBuilder`] so that the spans of
 //! the supporting facts are exact. Every prompt ends with
 //! `"\n\nQuestion: {question}\nAnswer:"` and leaves [`ANSWER_RESERVE`] tokens of the
 //! model's context free for the answer.
