@@ -17,8 +17,7 @@
 use candle_core::{DType, Tensor};
 
 use crate::model::{
-    HeadCache, KvCache, LoadedModel, Logits, NoObserver, Observer, Retention, Sampler, Sampling,
-    TopK, Wants,
+    HeadCache, KvCache, LoadedModel, Logits, Observer, Retention, Sampler, Sampling, TopK, Wants,
 };
 use crate::probe::{Probe, Workspace};
 use crate::rag::text::Stopwords;
@@ -151,9 +150,9 @@ impl<'a> Watch<'a> {
         judge: Option<Judge<'a>>,
         forward: bool,
     ) -> Result<Self> {
-        let (&last, head) = prompt
-            .split_last()
-            .ok_or_else(|| Error::invalid("prompt", "empty"))?;
+        if prompt.is_empty() {
+            return Err(Error::invalid("prompt", "empty"));
+        }
         let probe = judge.and_then(|j| j.signal).and_then(|s| s.probe);
         let mut w = Self {
             lm,
@@ -170,12 +169,17 @@ impl<'a> Watch<'a> {
             run: SegmentRun::default(),
         };
         if w.forward {
+            // The whole prompt in one pass, as mistral.rs reads it: the first token's
+            // distribution then comes from the same arithmetic in both engines. (The
+            // prompt's attention rows are not needed; a probe needs the last hidden
+            // state.)
+            let mut obs = StepObserver::new(lm, false, probe.is_some());
             let edits = Default::default();
-            if !head.is_empty() {
-                lm.model
-                    .forward(head, &mut w.kv, Logits::Last, &mut NoObserver, &edits)?;
-            }
-            w.step(last)?;
+            let logits = lm
+                .model
+                .forward(prompt, &mut w.kv, Logits::Last, &mut obs, &edits)?;
+            w.obs.final_hidden = obs.final_hidden;
+            w.next = Some(logits);
         }
         Ok(w)
     }
