@@ -129,7 +129,7 @@ pub fn run(cmd: EvalCommand) -> anyhow::Result<()> {
             let model = model.or_model(&spec.model);
             let path = model.resolve()?;
             let id = ModelId::of_file(&path)?;
-            let lm = LoadedModel::load(&path, Numerics::Fast)?;
+            let lm = LoadedModel::load(&path, model.numerics_or(Numerics::Fast))?;
             let dir = out.join(&id.name).join(&spec.name);
             let bar = ProgressBar::new(0).with_style(
                 ProgressStyle::with_template(
@@ -162,7 +162,7 @@ fn rag(args: SweepArgs) -> anyhow::Result<()> {
         .unwrap_or_else(|| PathBuf::from("../shared/data"));
     let path = model.or_model(&spec.model).resolve()?;
     let id = ModelId::of_file(&path)?;
-    let lm = LoadedModel::load(&path, Numerics::Fast)?;
+    let lm = LoadedModel::load(&path, model.numerics_or(Numerics::Fast))?;
     let dir = out.join(&id.name).join(&spec.name);
     let bar = ProgressBar::new(0).with_style(
         ProgressStyle::with_template("{bar:40} {pos}/{len} answers, {elapsed} elapsed, ETA {eta}")
