@@ -40,7 +40,14 @@ pub enum EvalCommand {
     },
     /// Run a RAG experiment (closed book, all paragraphs, retrieval triggers; resumes an
     /// interrupted run), then write its report.
-    Rag(SweepArgs),
+    Rag {
+        #[command(flatten)]
+        sweep: SweepArgs,
+        /// Only (re)write the report from the records already there (e.g. of a run
+        /// stopped part-way); generate nothing.
+        #[arg(long)]
+        report_only: bool,
+    },
 }
 
 /// The arguments of every command that runs a spec against one model.
@@ -143,11 +150,11 @@ pub fn run(cmd: EvalCommand) -> anyhow::Result<()> {
             kv_report(dir)
         }
         EvalCommand::KvReport { dir } => kv_report(dir),
-        EvalCommand::Rag(args) => rag(args),
+        EvalCommand::Rag { sweep, report_only } => rag(sweep, report_only),
     }
 }
 
-fn rag(args: SweepArgs) -> anyhow::Result<()> {
+fn rag(args: SweepArgs, report_only: bool) -> anyhow::Result<()> {
     use headwise::rag::eval::{self as rag_eval, RagSpec};
     let SweepArgs {
         spec,
@@ -168,9 +175,14 @@ fn rag(args: SweepArgs) -> anyhow::Result<()> {
         ProgressStyle::with_template("{bar:40} {pos}/{len} answers, {elapsed} elapsed, ETA {eta}")
             .expect("a valid template"),
     );
-    let n = rag_eval::run(&spec, &lm, &id, &data_dir, &dir, limit, Some(&bar))?;
+    let n = match report_only {
+        true => 0,
+        false => rag_eval::run(&spec, &lm, &id, &data_dir, &dir, limit, Some(&bar))?,
+    };
     bar.finish_and_clear();
-    let summary = rag_eval::write_report(&dir, &spec, &id, &command_line())?;
+    // The report names the command that generates the records.
+    let command = command_line().replace(" --report-only", "");
+    let summary = rag_eval::write_report(&dir, &spec, &id, &command)?;
     eprintln!(
         "{n} answers generated; wrote {} summary numbers and README.md to {}",
         summary.len(),
