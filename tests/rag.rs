@@ -385,9 +385,10 @@ mod dragin_loop {
         }
     }
 
-    /// In-context retrieval: a mask that keeps every position changes nothing; one that
-    /// keeps a handful does, for static, probe-chosen and random heads alike, and each
-    /// records one in-context retrieval (no query, no passages).
+    /// In-context retrieval: masks that keep every key are no-ops whichever heads carry
+    /// them (static, probe-chosen per step, random), so all three give one answer, and
+    /// it reads the paragraph; masking every head to one key hides the paragraph and
+    /// changes it. Each records one in-context retrieval (no query, no passages).
     #[test]
     fn in_context_masks_that_keep_everything_change_nothing() {
         use headwise::probe::Probe;
@@ -408,77 +409,46 @@ mod dragin_loop {
             probe: Some(&probe),
             heads: &heads,
         };
-        let open_book = RagConfig {
+        let in_context = |kind, k| RagConfig {
+            trigger: TriggerConfig::Once,
             context: ContextMode::AllParagraphs,
-            ..cfg(TriggerConfig::Never, 1)
-        };
-        let plain = answer(&lm, &item(), &open_book, None, &stop, Some(signal), OPTS).unwrap();
-        let masked = |kind, k| {
-            let c = RagConfig {
-                trigger: TriggerConfig::Once,
-                in_context: Some(InContext {
-                    heads: kind,
-                    k,
-                    sink: 0,
-                    window: 1,
-                    seed: 0,
-                }),
-                ..open_book.clone()
-            };
-            answer(&lm, &item(), &c, None, &stop, Some(signal), OPTS).unwrap()
-        };
-        for kind in [
-            InContextHeads::Static,
-            InContextHeads::Probe,
-            InContextHeads::Random,
-        ] {
-            let all = masked(kind, 100_000);
-            assert_eq!(all.answer, plain.answer, "{kind:?}");
-            assert_eq!(all.retrievals.len(), 1);
-            assert!(all.retrievals[0].ids.is_empty() && all.retrievals[0].query.is_empty());
-        }
-        // Every head restricted to one key besides its own position: the paragraph is
-        // out of sight and the answer changes.
-        let every: Vec<usize> = (0..lm.model.config().n_layers * n_heads).collect();
-        let blind = RagConfig {
             in_context: Some(InContext {
-                heads: InContextHeads::Static,
-                k: 1,
-                sink: 0,
-                window: 1,
-                seed: 0,
-            }),
-            trigger: TriggerConfig::Once,
-            ..open_book.clone()
-        };
-        let all_heads = HeadSignal {
-            probe: None,
-            heads: &every,
-        };
-        let narrow = answer(&lm, &item(), &blind, None, &stop, Some(all_heads), OPTS).unwrap();
-        assert_eq!(narrow.retrievals.len(), 1);
-        assert_ne!(narrow.answer, plain.answer, "{narrow:?} vs {plain:?}");
-        // Masks need the open-book context.
-        let closed = RagConfig {
-            context: ContextMode::Retrieved,
-            ..masked_cfg()
-        };
-        assert!(answer(&lm, &item(), &closed, None, &stop, Some(signal), OPTS).is_err());
-    }
-
-    fn masked_cfg() -> RagConfig {
-        RagConfig {
-            trigger: TriggerConfig::Once,
-            context: headwise::rag::dragin::ContextMode::AllParagraphs,
-            in_context: Some(headwise::rag::dragin::InContext {
-                heads: headwise::rag::dragin::InContextHeads::Static,
-                k: 8,
+                heads: kind,
+                k,
                 sink: 0,
                 window: 1,
                 seed: 0,
             }),
             ..cfg(TriggerConfig::Once, 1)
+        };
+        let ask = |c: &RagConfig, signal| answer(&lm, &item(), c, None, &stop, Some(signal), OPTS);
+        let open = ask(&in_context(InContextHeads::Static, 100_000), signal).unwrap();
+        assert!(open.answer.contains("Tagus"), "{open:?}");
+        assert_eq!(open.retrievals.len(), 1);
+        assert!(open.retrievals[0].ids.is_empty() && open.retrievals[0].query.is_empty());
+        for kind in [InContextHeads::Probe, InContextHeads::Random] {
+            let a = ask(&in_context(kind, 100_000), signal).unwrap();
+            assert_eq!(
+                (a.answer.as_str(), a.generated_tokens),
+                (open.answer.as_str(), open.generated_tokens),
+                "{kind:?}"
+            );
         }
+        // Every head restricted to one key besides its own position.
+        let every: Vec<usize> = (0..lm.model.config().n_layers * n_heads).collect();
+        let all_heads = HeadSignal {
+            probe: None,
+            heads: &every,
+        };
+        let blind = ask(&in_context(InContextHeads::Static, 1), all_heads).unwrap();
+        assert_eq!(blind.retrievals.len(), 1);
+        assert_ne!(blind.answer, open.answer, "{blind:?} vs {open:?}");
+        // Masks need the open-book context.
+        let closed = RagConfig {
+            context: ContextMode::Retrieved,
+            ..in_context(InContextHeads::Static, 8)
+        };
+        assert!(ask(&closed, signal).is_err());
     }
 
     #[test]

@@ -27,6 +27,6 @@ pub use intervene::{HeadEdit, Interventions, KeyRestriction, OutputEdit, QueryEd
 pub use kv_cache::KvCache;
 pub use linear::{Linear, Numerics};
 pub use loaded::{LoadedModel, TextStream};
-pub use observe::{Capture, NoObserver, Observer, Recorder, Wants};
+pub use observe::{last_row, Capture, NoObserver, Observer, Recorder, Wants};
 pub use rope::Rope;
 pub use transformer::{argmax, Logits, Model, DEFAULT_CHUNK};

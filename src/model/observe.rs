@@ -43,6 +43,16 @@ impl Wants {
     }
 }
 
+/// The last row of a `(q, d)` tensor (e.g. [`Observer::final_hidden`]'s) as a vector, or
+/// `None` if it cannot be read.
+pub fn last_row(t: &Tensor) -> Option<Vec<f32>> {
+    let q = t.dim(0).ok()?;
+    t.narrow(0, q.checked_sub(1)?, 1)
+        .and_then(|r| r.flatten_all())
+        .and_then(|r| r.to_vec1())
+        .ok()
+}
+
 /// Receives internals of a forward pass over query positions `start..start + q`.
 ///
 /// Every method has a no-op default; implement what you need and say so in

@@ -13,8 +13,8 @@ use candle_core::Tensor;
 use serde::{Deserialize, Serialize};
 
 use crate::model::{
-    GenerateOptions, Generation, HeadCache, Interventions, KvBytes, KvCache, Logits, Model,
-    Observer, Sampler, StopReason, Wants,
+    last_row, GenerateOptions, Generation, HeadCache, Interventions, KvBytes, KvCache, Logits,
+    Model, Observer, Sampler, StopReason, Wants,
 };
 use crate::policy::config::Prefill;
 use crate::policy::plan::{DynamicSource, Plan};
@@ -97,12 +97,7 @@ impl Observer for LastHidden {
     }
 
     fn final_hidden(&mut self, hidden: &Tensor) {
-        let q = hidden.dim(0).unwrap_or(1);
-        self.hidden = hidden
-            .narrow(0, q.saturating_sub(1), 1)
-            .and_then(|h| h.flatten_all())
-            .and_then(|h| h.to_vec1())
-            .ok();
+        self.hidden = last_row(hidden);
     }
 }
 

@@ -311,44 +311,46 @@ pub fn answer(
     let max_new = opts.max_new;
     cfg.validate()?;
     let heads_trigger = matches!(cfg.trigger, TriggerConfig::RetrievalHeads { .. });
-    let probe_masks = cfg
-        .in_context
-        .is_some_and(|ic| ic.heads == InContextHeads::Probe);
-    if (heads_trigger || probe_masks) && signal.and_then(|s| s.probe).is_none() {
+    let probe_chosen = cfg.in_context.map(|ic| ic.heads) == Some(InContextHeads::Probe);
+    if (heads_trigger || probe_chosen) && signal.and_then(|s| s.probe).is_none() {
         return Err(Error::invalid(
             "rag",
             "retrieval_heads triggers and probe-chosen masks need a probe",
         ));
     }
-    let n_heads = lm.model.config().n_layers * lm.model.config().n_heads;
-    let mask = match cfg.in_context {
-        None => None,
-        Some(ic) => {
-            if opts.engine.name() != Instrumented.name() {
-                return Err(Error::invalid(
-                    "in_context",
-                    "masked heads run on the instrumented engine only",
-                ));
-            }
-            let watched = signal.map(|s| s.heads).unwrap_or_default();
-            if watched.is_empty() {
-                return Err(Error::invalid(
-                    "in_context",
-                    "needs the watched heads (a ranking) to know how many heads to mask",
-                ));
-            }
-            let fixed = match ic.heads {
-                InContextHeads::Static => watched.to_vec(),
-                InContextHeads::Random => random_heads(n_heads, watched.len(), ic.seed, &item.id),
-                InContextHeads::Probe => Vec::new(),
-            };
-            let tk = TopK {
-                k: ic.k,
-                sink: ic.sink,
-                window: ic.window,
-            };
-            Some((ic.heads, fixed, watched.len(), tk))
+    // In-context retrieval: the masked heads (fixed ones, or none when the probe picks
+    // them per step) and the mask.
+    let mut fixed_heads: Vec<usize> = Vec::new();
+    let mut mask: Option<TopK> = None;
+    if let Some(ic) = cfg.in_context {
+        let watched = signal.map(|s| s.heads).unwrap_or_default();
+        if watched.is_empty() {
+            return Err(Error::invalid(
+                "in_context",
+                "needs the watched heads (a ranking) to know how many heads to mask",
+            ));
         }
+        let cfg = lm.model.config();
+        fixed_heads = match ic.heads {
+            InContextHeads::Static => watched.to_vec(),
+            InContextHeads::Random => {
+                random_heads(cfg.n_layers * cfg.n_heads, watched.len(), ic.seed, &item.id)
+            }
+            InContextHeads::Probe => Vec::new(),
+        };
+        let tk = TopK {
+            k: ic.k,
+            sink: ic.sink,
+            window: ic.window,
+        };
+        mask = Some(tk);
+    }
+    let mask_heads = match (probe_chosen, signal.and_then(|s| s.probe)) {
+        (true, Some(probe)) => MaskHeads::Probe {
+            probe,
+            n: signal.map_or(0, |s| s.heads.len()),
+        },
+        _ => MaskHeads::Fixed(&fixed_heads),
     };
     let t0 = Instant::now();
     let mut out = RagAnswer {
@@ -420,12 +422,8 @@ pub fn answer(
         passages.extend(retrieved.iter().cloned());
         let ids = prompt_ids(lm, item, &passages, &kept, opts.chat)?;
         out.prompt_tokens += ids.len();
-        if let (true, Some((kind, fixed, n, tk))) = (masking, &mask) {
-            let heads = match (kind, signal.and_then(|s| s.probe)) {
-                (InContextHeads::Probe, Some(probe)) => MaskHeads::Probe { probe, n: *n },
-                _ => MaskHeads::Fixed(fixed),
-            };
-            let seg = masked(lm, &ids, max_new, heads, *tk)?;
+        if let (true, Some(tk)) = (masking, mask) {
+            let seg = masked(lm, &ids, max_new, mask_heads, tk)?;
             out.generated_tokens += seg.tokens.len();
             kept.push_str(&decode_answer(lm, &seg.tokens)?);
             break;

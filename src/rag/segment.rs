@@ -8,7 +8,9 @@
 //!   instrumented model re-reads each streamed token teacher-forced to observe the same
 //!   things; when the trigger fires the stream is dropped, which cancels it;
 //! - [`masked`]: the instrumented model generates with chosen heads restricted to their
-//!   top-k keys (in-context retrieval), the heads chosen before every step.
+//!   top-k keys (in-context retrieval), the heads chosen before every step; whichever
+//!   engine wrote the rest of the answer (mistral.rs cannot mask heads). It reads the
+//!   prompt's last token as a masked decode step, so the first token is masked too.
 //!
 //! The first two judge the trigger after every token over the segment so far
 //! ([`Segment::complete`] false), so both stop at the same token when they generate
@@ -17,7 +19,8 @@
 use candle_core::{DType, Tensor};
 
 use crate::model::{
-    HeadCache, KvCache, LoadedModel, Logits, Observer, Retention, Sampler, Sampling, TopK, Wants,
+    last_row, HeadCache, KvCache, LoadedModel, Logits, Observer, Retention, Sampler, Sampling,
+    TopK, Wants,
 };
 use crate::probe::{Probe, Workspace};
 use crate::rag::text::Stopwords;
@@ -106,17 +109,12 @@ impl Observer for StepObserver {
 
     /// `hidden` is `(q, d_model)`; the last position's row is kept.
     fn final_hidden(&mut self, hidden: &Tensor) {
-        let q = hidden.dim(0).unwrap_or(1);
-        self.final_hidden = hidden
-            .narrow(0, q.saturating_sub(1), 1)
-            .and_then(|h| h.flatten_all())
-            .and_then(|h| h.to_vec1())
-            .ok();
+        self.final_hidden = last_row(hidden);
     }
 }
 
 /// Whether generation ends after `last`: a stop token, or a newline after some text.
-pub fn stops(lm: &LoadedModel, text: &str, last: u32) -> bool {
+fn stops(lm: &LoadedModel, text: &str, last: u32) -> bool {
     lm.special.stop.contains(&last) || text.trim_start().contains('\n')
 }
 
@@ -289,9 +287,6 @@ pub trait SegmentSource: std::fmt::Debug + Sync {
         max_new: usize,
         judge: Option<Judge>,
     ) -> Result<SegmentRun>;
-
-    /// The engine's name in reports.
-    fn name(&self) -> &'static str;
 }
 
 /// The instrumented model generates (observation inline, a single pass).
@@ -308,10 +303,6 @@ impl SegmentSource for Instrumented {
     ) -> Result<SegmentRun> {
         instrumented(lm, prompt, max_new, judge)
     }
-
-    fn name(&self) -> &'static str {
-        "instrumented"
-    }
 }
 
 #[cfg(feature = "mistralrs")]
@@ -324,10 +315,6 @@ impl SegmentSource for crate::engine::mistralrs::MistralRsEngine {
         judge: Option<Judge>,
     ) -> Result<SegmentRun> {
         streamed(self, lm, prompt, max_new, judge)
-    }
-
-    fn name(&self) -> &'static str {
-        "mistralrs"
     }
 }
 
