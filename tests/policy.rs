@@ -121,9 +121,10 @@ fn the_full_policy_and_selecting_every_head_equal_the_plain_forward() {
             let (g, got) = run(&model, &p, None);
             assert_eq!(g.generation.tokens, tokens, "{policy}");
             // the prefill runs with a different chunking (the prompt's last token as a
-            // decode step): equal up to float reassociation
+            // decode step) and softmax summation order: equal up to float reassociation
+            // (a wrong mask moves logits by ~0.1)
             let d = max_abs(&got, &want);
-            assert!(d <= 1e-5, "{policy}: {d}");
+            assert!(d <= 3e-5, "{policy}: {d}");
         }
     }
 }

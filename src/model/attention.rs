@@ -3,6 +3,8 @@
 //!
 //! * [`batched`]: candle matrix products and a softmax over the whole score matrix:
 //!   fast for prefill, and it yields the attention probabilities as a by-product;
+//! * [`blocked`]: the same products per block of queries over just the keys the block
+//!   sees, for a prefill whose probabilities nobody reads;
 //! * [`single_query`]: one decode step in plain loops over the KV cache, parallel over
 //!   KV heads and parts of the keys, 16-lane dot products and a vectorised `exp`: a
 //!   matrix product with one row spends most of its time packing operands;
@@ -56,6 +58,89 @@ pub(crate) fn batched(
         .matmul(values)?
         .reshape((nh, q_len, dh))?;
     Ok((out, probs))
+}
+
+/// Query rows per block of [`blocked`].
+const BLOCK: usize = 256;
+
+/// Causal attention for several queries without their probabilities: `(n_heads, q,
+/// d_head)`. The queries go in blocks of [`BLOCK`] rows, each block against only the keys
+/// one of its rows can see: up to its last query, and from its first query's window on
+/// when `window` is given. Compared with [`batched`] this skips the masked upper triangle
+/// (about half the products and exponentials of a long prefill) and the keys behind a
+/// sliding window, and never holds the whole `(n_heads, q, kv_len)` score matrix.
+///
+/// `start` is the first query's position counted from the first stored key. `mask`,
+/// when given, is the full additive mask `(n_heads, q, kv_len)` and must already hide
+/// what causality and the window hide (as
+/// [`Interventions::score_mask`](crate::model::Interventions) builds it); without it
+/// the causal and window masks of each block are built here.
+pub(crate) fn blocked(
+    q: &Tensor,
+    keys: &Tensor,
+    values: &Tensor,
+    start: usize,
+    mask: Option<&Tensor>,
+    window: Option<usize>,
+) -> Result<Tensor> {
+    let (nh, q_len, dh) = q.dims3()?;
+    let (nkv, kv_len, _) = keys.dims3()?;
+    let group = nh / nkv;
+    let scale = 1.0 / (dh as f32).sqrt();
+    let mut outs = Vec::with_capacity(q_len.div_ceil(BLOCK));
+    for s in (0..q_len).step_by(BLOCK) {
+        let n = BLOCK.min(q_len - s);
+        // Keys lo..hi: the window of the block's first query to its last query.
+        let hi = (start + s + n).min(kv_len);
+        let lo = window
+            .map_or(0, |w| (start + s + 1).saturating_sub(w))
+            .min(hi);
+        let width = hi - lo;
+        let qb = q
+            .narrow(1, s, n)?
+            .contiguous()?
+            .reshape((nkv, group * n, dh))?;
+        let scores = qb.matmul(&keys.narrow(1, lo, width)?.t()?)?;
+        let mut w: Vec<f32> = scores.flatten_all()?.to_vec1()?;
+        let bias: Option<Vec<f32>> = mask
+            .map(|m| {
+                m.narrow(1, s, n)?
+                    .narrow(2, lo, width)?
+                    .flatten_all()?
+                    .to_vec1()
+            })
+            .transpose()?;
+        // Row r is query head r / n at query s + r % n; its visible keys are `seen`.
+        w.par_chunks_mut(width.max(1))
+            .enumerate()
+            .for_each(|(r, row)| {
+                let query = start + s + r % n;
+                let first = window.map_or(0, |w| (query + 1).saturating_sub(w)).max(lo) - lo;
+                let seen = first.min(width)..(query + 1 - lo).min(width);
+                row[..seen.start].fill(0.0);
+                row[seen.end..].fill(0.0);
+                let at = seen.start;
+                let row = &mut row[seen];
+                row.iter_mut().for_each(|x| *x *= scale);
+                if let Some(b) = &bias {
+                    let b = &b[r * width + at..][..row.len()];
+                    row.iter_mut().zip(b).for_each(|(x, b)| *x += b);
+                }
+                let max = fast_exp::max(row);
+                if max == f32::NEG_INFINITY {
+                    row.fill(0.0);
+                    return;
+                }
+                let inv = 1.0 / fast_exp::exp_shifted(row, max);
+                row.iter_mut().for_each(|x| *x *= inv);
+            });
+        let probs = Tensor::from_vec(w, (nkv, group * n, width), &Device::Cpu)?;
+        let out = probs
+            .matmul(&values.narrow(1, lo, width)?)?
+            .reshape((nh, n, dh))?;
+        outs.push(out);
+    }
+    Ok(Tensor::cat(&outs, 1)?)
 }
 
 /// Lanes of the vectorised dot product.
@@ -244,7 +329,7 @@ pub(crate) fn decode_rows(
                 let bias = &m[task.keys.clone()];
                 row.iter_mut().zip(bias).for_each(|(p, b)| *p += b);
             }
-            st.max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            st.max = fast_exp::max(row);
             st.sum = if st.max == f32::NEG_INFINITY {
                 row.fill(0.0);
                 0.0
@@ -578,6 +663,55 @@ mod tests {
             assert!(max_diff(&p1.unwrap(), &p2) < 1e-6, "{nh}/{nkv}/{kv_len}");
             let (o3, none) = single_query(&q, &k, &v, None, false).unwrap();
             assert!(none.is_none() && max_diff(&o1, &o3) == 0.0);
+        }
+    }
+
+    /// `(nh, q, kv_len)` mask: causal for queries at `start..`, within `window`, plus
+    /// `bias * (j % 7)` on visible key `j`.
+    fn full_mask(
+        (nh, q, kv_len): (usize, usize, usize),
+        start: usize,
+        w: Option<usize>,
+        bias: f32,
+    ) -> Tensor {
+        let m: Vec<f32> = (0..nh * q * kv_len)
+            .map(|i| {
+                let (t, j) = ((i / kv_len) % q, i % kv_len);
+                let query = start + t;
+                if j <= query && w.is_none_or(|w| j + w > query) {
+                    bias * (j % 7) as f32
+                } else {
+                    f32::NEG_INFINITY
+                }
+            })
+            .collect();
+        Tensor::from_vec(m, (nh, q, kv_len), &Device::Cpu).unwrap()
+    }
+
+    #[test]
+    fn blocked_prefill_matches_loops_over_the_whole_mask() {
+        // Several blocks, a partial last block, earlier keys before the queries, MQA and a
+        // sliding window shorter than a block; with and without a given mask.
+        for (nh, nkv, q_len, start, window) in [
+            (9, 3, 600, 0, None),
+            (6, 2, 300, 45, None),
+            (4, 1, 700, 20, Some(100)),
+        ] {
+            let kv_len = start + q_len;
+            let q = Tensor::randn(0f32, 1.0, (nh, q_len, 64), &Device::Cpu).unwrap();
+            let k = Tensor::randn(0f32, 1.0, (nkv, kv_len, 64), &Device::Cpu).unwrap();
+            let v = Tensor::randn(0f32, 1.0, (nkv, kv_len, 64), &Device::Cpu).unwrap();
+            let shape = (nh, q_len, kv_len);
+            let mask = full_mask(shape, start, window, 0.0);
+            let want = streaming(&q, &k, &v, start, Some(&mask)).unwrap();
+            let got = blocked(&q, &k, &v, start, None, window).unwrap();
+            let case = format!("{nh}/{nkv}/{q_len}/{start}/{window:?}");
+            assert!(max_diff(&got, &want) < 1e-5, "{case}");
+            let biased = full_mask(shape, start, window, 0.3);
+            let want = streaming(&q, &k, &v, start, Some(&biased)).unwrap();
+            let given = blocked(&q, &k, &v, start, Some(&biased), window).unwrap();
+            assert!(max_diff(&given, &want) < 1e-5, "{case}");
+            assert!(max_diff(&given, &got) > 1e-3, "{case}: the bias is used");
         }
     }
 

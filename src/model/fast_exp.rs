@@ -32,14 +32,40 @@ pub fn exp(x: f32) -> f32 {
     }
 }
 
+/// Independent accumulators of [`sum`] and [`max`]: a reduction into one float is a
+/// chain the compiler may not reorder, so it would not vectorise.
+const LANES: usize = 16;
+
 /// Replace every `x` of `row` by `exp(x - max)` and return their sum.
 pub fn exp_shifted(row: &mut [f32], max: f32) -> f32 {
-    let mut sum = 0f32;
-    for x in row.iter_mut() {
-        *x = exp(*x - max);
-        sum += *x;
+    row.iter_mut().for_each(|x| *x = exp(*x - max));
+    sum(row)
+}
+
+/// Sum of `xs` in [`LANES`] interleaved partial sums.
+pub fn sum(xs: &[f32]) -> f32 {
+    let mut acc = [0f32; LANES];
+    let chunks = xs.chunks_exact(LANES);
+    let rest: f32 = chunks.remainder().iter().sum();
+    for c in chunks {
+        acc.iter_mut().zip(c).for_each(|(a, x)| *a += x);
     }
-    sum
+    acc.iter().sum::<f32>() + rest
+}
+
+/// Largest of `xs` (`-inf` when empty).
+pub fn max(xs: &[f32]) -> f32 {
+    let mut acc = [f32::NEG_INFINITY; LANES];
+    let chunks = xs.chunks_exact(LANES);
+    let rest = chunks
+        .remainder()
+        .iter()
+        .copied()
+        .fold(f32::NEG_INFINITY, f32::max);
+    for c in chunks {
+        acc.iter_mut().zip(c).for_each(|(a, x)| *a = a.max(*x));
+    }
+    acc.iter().copied().fold(rest, f32::max)
 }
 
 #[cfg(test)]
@@ -56,6 +82,19 @@ mod tests {
         }
         assert!(worst < 3e-7, "worst relative error {worst}");
         assert_eq!(exp(0.0), 1.0);
+    }
+
+    #[test]
+    fn lane_reductions_match_plain_folds() {
+        for n in [0, 5, 16, 37, 300] {
+            let xs: Vec<f32> = (0..n)
+                .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
+                .collect();
+            let plain: f64 = xs.iter().map(|&x| x as f64).sum();
+            assert!((sum(&xs) as f64 - plain).abs() < 1e-4, "n {n}");
+            let top = xs.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            assert_eq!(max(&xs), top, "n {n}");
+        }
     }
 
     #[test]

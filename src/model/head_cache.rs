@@ -319,8 +319,6 @@ pub struct HeadCache {
     /// Per `layer * n_heads + head`: a top-k restriction at decode steps.
     topk: Vec<Option<TopK>>,
     peak: KvBytes,
-    /// The causal mask of the last prefill chunk `(start, q, (q, start + q))`.
-    causal: Option<(usize, usize, Tensor)>,
 }
 
 impl HeadCache {
@@ -357,7 +355,6 @@ impl HeadCache {
             active: vec![false; n],
             topk: vec![None; cfg.n_layers * cfg.n_heads],
             peak: KvBytes::default(),
-            causal: None,
         })
     }
 
@@ -527,28 +524,24 @@ impl HeadCache {
                 pos.push(start + t);
             }
             let n = pos.len();
-            // One `(q, n)` mask serves every query head of the group. A full head's rows
-            // are positions `0..start + q` in order, so its mask is the plain causal one,
-            // built once per chunk for every full head; a ring (and a tiered head, whose
-            // cold rows follow its ring's) is masked by its rows' positions.
-            let mask = match store.retention {
-                Retention::Full => match &self.causal {
-                    Some((at, len, m)) if (*at, *len) == (start, q_len) => m.clone(),
-                    _ => {
-                        let m = ring_mask(&pos, start, q_len, None)?;
-                        self.causal = Some((start, q_len, m.clone()));
-                        m
-                    }
-                },
-                Retention::Stream { sink, window } => {
-                    ring_mask(&pos, start, q_len, Some((sink, window)))?
-                }
-                Retention::Tiered { .. } => ring_mask(&pos, start, q_len, None)?,
-            };
             let qg = queries.narrow(0, h * group, group)?.contiguous()?;
             let kt = Tensor::from_vec(k, (1, n, dh), &Device::Cpu)?;
             let vt = Tensor::from_vec(v, (1, n, dh), &Device::Cpu)?;
-            let (out, _) = attention::batched(&qg, &kt, &vt, None, Some(&mask))?;
+            // A full head's rows are positions `0..start + q` in order: plain causal
+            // attention, by query blocks. A ring (and a tiered head, whose cold rows
+            // follow its ring's) is masked by its rows' positions, one `(q, n)` mask for
+            // every query head of the group.
+            let out = match store.retention {
+                Retention::Full => attention::blocked(&qg, &kt, &vt, start, None, None)?,
+                Retention::Stream { sink, window } => {
+                    let mask = ring_mask(&pos, start, q_len, Some((sink, window)))?;
+                    attention::batched(&qg, &kt, &vt, None, Some(&mask))?.0
+                }
+                Retention::Tiered { .. } => {
+                    let mask = ring_mask(&pos, start, q_len, None)?;
+                    attention::batched(&qg, &kt, &vt, None, Some(&mask))?.0
+                }
+            };
             outs.push(out);
         }
         for h in 0..nkv {

@@ -186,6 +186,19 @@ impl Interventions {
         Ok(())
     }
 
+    /// Layer `layer`'s head edits, if any of them biases scores or restricts keys.
+    fn mask_edits(&self, layer: usize) -> Option<&BTreeMap<usize, HeadEdit>> {
+        self.layers
+            .get(&layer)
+            .filter(|h| h.values().any(|e| e.bias.is_some() || e.keys.is_some()))
+    }
+
+    /// Whether layer `layer` has edits that bias scores or restrict keys (so its
+    /// attention needs [`Self::score_mask`] beyond causality and the window).
+    pub(crate) fn masks_scores(&self, layer: usize) -> bool {
+        self.mask_edits(layer).is_some()
+    }
+
     /// The additive mask of layer `layer` over `span`: `(n_heads, q, kv_len)` combining
     /// causality, the layer's sliding window and this layer's biases and key
     /// restrictions; `None` when plain causal attention over the stored keys is exact
@@ -196,10 +209,7 @@ impl Interventions {
         n_heads: usize,
         span: &MaskSpan,
     ) -> Result<Option<Tensor>> {
-        let heads = self
-            .layers
-            .get(&layer)
-            .filter(|h| h.values().any(|e| e.bias.is_some() || e.keys.is_some()));
+        let heads = self.mask_edits(layer);
         let q = span.queries.len();
         let window_cuts = span
             .window

@@ -478,10 +478,16 @@ impl Model {
             keys: key_start..key_start + kv_len,
             window,
         };
-        let mask = edits.score_mask(layer, nh, &span)?;
-        // Without a mask, the chunk's causal mask covers keys from position 0 (the window
-        // always cuts, and so builds a mask, once keys were dropped and q_len > 1).
-        debug_assert!(mask.is_some() || q_len == 1 || key_start == 0);
+        // A fast prefill whose probabilities nobody reads goes by query blocks, which
+        // build their own causal and window masks.
+        let blocks = self.numerics == Numerics::Fast && q_len > 1 && !wants.attention;
+        let mask = match blocks && !edits.masks_scores(layer) {
+            true => None,
+            false => edits.score_mask(layer, nh, &span)?,
+        };
+        // Otherwise, without a mask, the chunk's causal mask covers keys from position 0
+        // (the window always cuts, and so builds a mask, once keys were dropped).
+        debug_assert!(blocks || mask.is_some() || q_len == 1 || key_start == 0);
         if wants.values {
             observer.values(layer, &pad_keys(&values, key_start, 1)?);
         }
@@ -493,6 +499,10 @@ impl Model {
             Numerics::Fast => {
                 let (out, probs) = if q_len == 1 {
                     attention::single_query(&qh, &keys, &values, mask.as_ref(), wants.attention)?
+                } else if blocks {
+                    let q0 = start - key_start;
+                    let out = attention::blocked(&qh, &keys, &values, q0, mask.as_ref(), window)?;
+                    (out, None)
                 } else {
                     let (out, probs) =
                         attention::batched(&qh, &keys, &values, mask.as_ref(), causal)?;
