@@ -76,6 +76,10 @@ pub struct RagSpec {
     pub tasks: Vec<RagTask>,
     #[serde(rename = "variant")]
     pub variants: Vec<Variant>,
+    /// Pairs `[a, b]` of variants whose F1 difference the report gives question by
+    /// question, besides every variant against the first one.
+    #[serde(default)]
+    pub compare: Vec<[String; 2]>,
 }
 
 fn default_max_new() -> usize {
@@ -166,6 +170,17 @@ impl RagSpec {
                     ),
                 ));
             }
+        }
+        if let Some(unknown) = spec
+            .compare
+            .iter()
+            .flatten()
+            .find(|c| !spec.variants.iter().any(|v| &&v.name == c))
+        {
+            return Err(Error::invalid(
+                "compare",
+                format!("no variant named `{unknown}`"),
+            ));
         }
         if spec.variants.is_empty() || spec.tasks.is_empty() {
             return Err(Error::invalid(
@@ -371,6 +386,54 @@ fn engine_agreement(spec: &RagSpec, records: &[RagRecord]) -> String {
     md
 }
 
+/// Per task, F1 of `a` minus F1 of `b` on the questions both answered: mean ± standard
+/// error of the paired differences, and on how many questions `a` scored higher, lower or
+/// the same. Every variant against the first, then the spec's `compare` pairs.
+fn paired_differences(spec: &RagSpec, records: &[RagRecord]) -> String {
+    let f1: BTreeMap<(&str, &str, &str), f64> = records
+        .iter()
+        .map(|r| ((r.task.as_str(), r.variant.as_str(), r.id.as_str()), r.f1))
+        .collect();
+    let first = &spec.variants[0].name;
+    let pairs = spec.variants[1..]
+        .iter()
+        .map(|v| [v.name.clone(), first.clone()])
+        .chain(spec.compare.iter().cloned());
+    let mut md = String::new();
+    for [a, b] in pairs {
+        for task in &spec.tasks {
+            let diffs: Vec<f64> = f1
+                .iter()
+                .filter(|((t, v, _), _)| *t == task.name && *v == a)
+                .filter_map(|((t, _, id), fa)| f1.get(&(*t, b.as_str(), *id)).map(|fb| fa - fb))
+                .collect();
+            if diffs.is_empty() {
+                continue;
+            }
+            if md.is_empty() {
+                md.push_str(
+                    "\nF1 differences on the same questions (mean ± standard error of the \
+                     per-question difference; questions where the first variant scored \
+                     higher / lower / the same):\n\n\
+                     | task | variants | n | ΔF1 | higher / lower / same |\n\
+                     |---|---|---:|---:|---:|\n",
+                );
+            }
+            let (mean, se) = mean_se(&diffs);
+            let count = |f: fn(&f64) -> bool| diffs.iter().filter(|d| f(d)).count();
+            md.push_str(&format!(
+                "| {} | `{a}` − `{b}` | {} | {mean:+.3} ± {se:.3} | {} / {} / {} |\n",
+                task.name,
+                diffs.len(),
+                count(|d| *d > 0.0),
+                count(|d| *d < 0.0),
+                count(|d| *d == 0.0)
+            ));
+        }
+    }
+    md
+}
+
 /// Mean and standard error of `xs`.
 fn mean_se(xs: &[f64]) -> (f64, f64) {
     let n = xs.len() as f64;
@@ -473,6 +536,7 @@ pub fn write_report(
         write_atomic(&dir.join("f1.svg"), svg.as_bytes())?;
         md.push_str("\n![F1 by variant](f1.svg)\n");
     }
+    md.push_str(&paired_differences(spec, &records));
     md.push_str(&engine_agreement(spec, &records));
     md.push_str("\nVariants:\n\n");
     for v in &spec.variants {
@@ -492,4 +556,93 @@ pub fn write_report(
     }
     write_experiment(dir, &md, &summary)?;
     Ok(summary)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SPEC: &str = r#"
+name = "rag"
+model = "smollm2"
+compare = [["c", "b"]]
+
+[[task]]
+name = "t"
+file = "t.jsonl"
+format = "hotpotqa"
+
+[[variant]]
+name = "a"
+rag = { trigger = { type = "never" } }
+
+[[variant]]
+name = "b"
+rag = { trigger = { type = "once" } }
+
+[[variant]]
+name = "c"
+rag = { trigger = { type = "every_n", n = 2 } }
+"#;
+
+    fn record(variant: &str, id: &str, f1: f64) -> RagRecord {
+        RagRecord {
+            task: "t".into(),
+            id: id.into(),
+            variant: variant.into(),
+            answer: String::new(),
+            answers: Vec::new(),
+            em: 0.0,
+            f1,
+            retrievals: 0,
+            queries: Vec::new(),
+            generated_tokens: 0,
+            secs: 0.0,
+            retriever_errors: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn paired_differences_use_only_questions_both_variants_answered() {
+        let spec: RagSpec = toml::from_str(SPEC).unwrap();
+        let mut records = vec![
+            record("a", "q1", 0.0),
+            record("a", "q2", 0.5),
+            record("a", "q3", 0.25),
+            record("b", "q1", 0.5),
+            record("b", "q2", 0.25),
+            record("b", "q3", 0.25),
+            // c answered q1 only: one pair against a and one against b
+            record("c", "q1", 1.0),
+        ];
+        let md = paired_differences(&spec, &records);
+        // b - a = 0.5, -0.25, 0: mean 0.083, sd 0.382, se 0.220
+        assert!(
+            md.contains("| t | `b` − `a` | 3 | +0.083 ± 0.220 | 1 / 1 / 1 |"),
+            "{md}"
+        );
+        assert!(
+            md.contains("| t | `c` − `a` | 1 | +1.000 ± 0.000 | 1 / 0 / 0 |"),
+            "{md}"
+        );
+        assert!(
+            md.contains("| t | `c` − `b` | 1 | +0.500 ± 0.000 | 1 / 0 / 0 |"),
+            "{md}"
+        );
+        records.retain(|r| r.variant == "a");
+        assert!(paired_differences(&spec, &records).is_empty());
+    }
+
+    #[test]
+    fn a_comparison_of_an_unknown_variant_is_refused() {
+        let dir = std::env::temp_dir().join(format!("headwise-rag-spec-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("spec.toml");
+        std::fs::write(&path, SPEC.replace("[\"c\", \"b\"]", "[\"c\", \"z\"]")).unwrap();
+        let err = RagSpec::load(&path).unwrap_err().to_string();
+        assert!(err.contains("no variant named `z`"), "{err}");
+        std::fs::write(&path, SPEC).unwrap();
+        assert!(RagSpec::load(&path).is_ok());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }
