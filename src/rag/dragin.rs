@@ -318,37 +318,35 @@ pub fn answer(
             "retrieval_heads triggers and probe-chosen masks need a probe",
         ));
     }
-    // In-context retrieval: the masked heads (fixed ones, or none when the probe picks
-    // them per step) and the mask.
-    let mut fixed_heads: Vec<usize> = Vec::new();
-    let mut mask: Option<TopK> = None;
-    if let Some(ic) = cfg.in_context {
-        let watched = signal.map(|s| s.heads).unwrap_or_default();
-        if watched.is_empty() {
-            return Err(Error::invalid(
-                "in_context",
-                "needs the watched heads (a ranking) to know how many heads to mask",
-            ));
-        }
-        let cfg = lm.model.config();
-        fixed_heads = match ic.heads {
-            InContextHeads::Static => watched.to_vec(),
-            InContextHeads::Random => {
-                random_heads(cfg.n_layers * cfg.n_heads, watched.len(), ic.seed, &item.id)
-            }
-            InContextHeads::Probe => Vec::new(),
-        };
-        let tk = TopK {
-            k: ic.k,
-            sink: ic.sink,
-            window: ic.window,
-        };
-        mask = Some(tk);
+    // In-context retrieval: the mask, and the masked heads (fixed ones, or none when the
+    // probe picks them per step).
+    let watched = signal.map(|s| s.heads).unwrap_or_default();
+    if cfg.in_context.is_some() && watched.is_empty() {
+        return Err(Error::invalid(
+            "in_context",
+            "needs the watched heads (a ranking) to know how many heads to mask",
+        ));
     }
+    let mask = cfg.in_context.map(|ic| TopK {
+        k: ic.k,
+        sink: ic.sink,
+        window: ic.window,
+    });
+    let model = lm.model.config();
+    let fixed_heads = match cfg.in_context.map(|ic| (ic.heads, ic.seed)) {
+        Some((InContextHeads::Static, _)) => watched.to_vec(),
+        Some((InContextHeads::Random, seed)) => random_heads(
+            model.n_layers * model.n_heads,
+            watched.len(),
+            seed,
+            &item.id,
+        ),
+        Some((InContextHeads::Probe, _)) | None => Vec::new(),
+    };
     let mask_heads = match (probe_chosen, signal.and_then(|s| s.probe)) {
         (true, Some(probe)) => MaskHeads::Probe {
             probe,
-            n: signal.map_or(0, |s| s.heads.len()),
+            n: watched.len(),
         },
         _ => MaskHeads::Fixed(&fixed_heads),
     };
