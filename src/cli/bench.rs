@@ -112,10 +112,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                 .args(["--decode-tokens", &args.decode_tokens.to_string()])
                 .arg("--model")
                 .arg(&path)
-                .args([
-                    "--numerics",
-                    numerics_name(args.model.numerics_or(Numerics::Fast)),
-                ])
+                .args(["--numerics", args.model.numerics_or(Numerics::Fast).name()])
                 .output()?;
             if !out.status.success() {
                 anyhow::bail!(
@@ -190,13 +187,6 @@ fn llama_bench(
         });
     }
     Ok(records)
-}
-
-fn numerics_name(n: Numerics) -> &'static str {
-    match n {
-        Numerics::Fast => "fast",
-        Numerics::Reference => "reference",
-    }
 }
 
 fn print_table(records: &[BenchRecord]) {

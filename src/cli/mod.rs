@@ -67,8 +67,10 @@ pub struct ModelArgs {
     #[arg(long, env = "HEADWISE_MODELS_DIR", default_value = DEFAULT_MODELS_DIR)]
     models_dir: PathBuf,
     /// Numerics of the instrumented model: `fast` (f32 gemm for prefill, 8-bit weights
-    /// for decode) or `reference` (mistral.rs's arithmetic: the file's quantized blocks,
-    /// streaming attention) [default: fast; parity: reference].
+    /// for decode), `reference` (mistral.rs's arithmetic: the file's quantized blocks,
+    /// streaming attention) or `ggml` (llama.cpp's CPU arithmetic: inputs rounded to
+    /// ggml's 8-bit grids, GELU through its f16 table) [default: fast; parity: reference
+    /// against mistral.rs, ggml against llama.cpp].
     #[arg(long)]
     numerics: Option<Numerics>,
 }

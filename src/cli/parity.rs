@@ -28,14 +28,6 @@ pub enum Reference {
     LlamaCpp,
 }
 
-fn numerics_name(numerics: Numerics) -> &'static str {
-    if numerics == Numerics::Reference {
-        "reference"
-    } else {
-        "fast"
-    }
-}
-
 /// A result record of the parity experiment against `reference`.
 fn record(
     id: &ModelId,
@@ -67,7 +59,7 @@ fn record(
 /// One record per prompt and metric, plus the overall verdict numbers.
 #[cfg(feature = "mistralrs")]
 fn records(report: &ParityReport, id: &ModelId, numerics: Numerics) -> Vec<ResultRecord> {
-    let experiment = format!("parity-{}", numerics_name(numerics));
+    let experiment = format!("parity-{}", numerics.name());
     let rec = |task: &str, tokens: Option<usize>, metric: &str, value: f64, n: usize| {
         record(id, &experiment, task, tokens, metric, value, n)
     };
@@ -168,7 +160,11 @@ pub fn run(args: ParityArgs) -> anyhow::Result<()> {
         }
         r => r,
     };
-    let numerics = args.model.numerics_or(Numerics::Reference);
+    // Each reference engine's own arithmetic, unless --numerics says otherwise.
+    let numerics = args.model.numerics_or(match reference {
+        Reference::LlamaCpp => Numerics::Ggml,
+        _ => Numerics::Reference,
+    });
     let started = std::time::Instant::now();
     let passed = match reference {
         Reference::LlamaCpp => run_llama_cpp(&args, &path, numerics, started)?,
@@ -263,7 +259,7 @@ fn run_mistralrs(
         args,
         &format!("Parity: instrumented ({numerics:?} numerics) vs mistral.rs"),
         &format!("{}\n\n{summary}", table.join("\n")),
-        &format!("--numerics {} ", numerics_name(numerics)),
+        &format!("--numerics {} ", numerics.name()),
         started,
         &|id| records(&report, id, numerics),
         path,
@@ -284,7 +280,7 @@ fn llama_row(p: &GreedyParity) -> String {
 }
 
 fn llama_records(report: &LlamaCppReport, id: &ModelId, numerics: Numerics) -> Vec<ResultRecord> {
-    let experiment = format!("parity-llama-cpp-{}", numerics_name(numerics));
+    let experiment = format!("parity-llama-cpp-{}", numerics.name());
     let rec = |task: &str, tokens: Option<usize>, metric: &str, value: f64, n: usize| {
         record(id, &experiment, task, tokens, metric, value, n)
     };
@@ -386,10 +382,7 @@ fn run_llama_cpp(
         args,
         &format!("Parity: instrumented ({numerics:?} numerics) vs llama.cpp"),
         &format!("{ppl}\n\n{}\n\n{summary}", table.join("\n")),
-        &format!(
-            "--reference llama.cpp --numerics {} ",
-            numerics_name(numerics)
-        ),
+        &format!("--reference llama.cpp --numerics {} ", numerics.name()),
         started,
         &|id| llama_records(&report, id, numerics),
         path,

@@ -11,6 +11,7 @@
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
 
+use crate::model::ggml::InputGrid;
 use crate::model::q8::{Q41Matrix, Q8Matrix};
 
 use crate::Result;
@@ -21,9 +22,23 @@ use crate::Result;
 pub enum Numerics {
     /// The file's quantized weights through `QMatMul`, as mistral.rs computes.
     Reference,
+    /// llama.cpp's CPU arithmetic: matmul inputs rounded to ggml's 8-bit grids, GELU
+    /// through its f16 table ([`crate::model::ggml`]), f32 attention.
+    Ggml,
     /// Dequantized f32 for batched rows, Q8_0 for single rows.
     #[default]
     Fast,
+}
+
+impl Numerics {
+    /// The name `--numerics` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            Numerics::Reference => "reference",
+            Numerics::Ggml => "ggml",
+            Numerics::Fast => "fast",
+        }
+    }
 }
 
 impl std::str::FromStr for Numerics {
@@ -31,10 +46,11 @@ impl std::str::FromStr for Numerics {
     fn from_str(s: &str) -> Result<Self> {
         match s {
             "reference" => Ok(Numerics::Reference),
+            "ggml" => Ok(Numerics::Ggml),
             "fast" => Ok(Numerics::Fast),
             other => Err(crate::Error::invalid(
                 "numerics",
-                format!("`{other}` (expected reference or fast)"),
+                format!("`{other}` (expected reference, ggml or fast)"),
             )),
         }
     }
@@ -52,6 +68,9 @@ enum RowPath {
     Q8(Q8Matrix),
     /// headwise's kernel over the file's own Q4_1 blocks.
     Q41(Q41Matrix),
+    /// [`Numerics::Ggml`], for any number of rows: the input rounded to the grid of the
+    /// weight's type, times the f32 `weight` `(out, in)`.
+    Ggml { grid: InputGrid, weight: Tensor },
 }
 
 /// The parts' Q4_1 blocks stacked row-wise, if every part is a 2-D Q4_1 tensor.
@@ -100,6 +119,13 @@ impl Linear {
                 let exact = weight.dtype() == GgmlDType::F32;
                 Self::fast(dense, !exact, || QMatMul::from_qtensor(weight))
             }
+            Numerics::Ggml => Ok(Self {
+                rows: RowPath::Ggml {
+                    grid: InputGrid::for_weight(weight.dtype())?,
+                    weight: weight.dequantize(&Device::Cpu)?,
+                },
+                dense: None,
+            }),
         }
     }
 
@@ -136,6 +162,13 @@ impl Linear {
                 let exact = weight.dtype() == GgmlDType::F32;
                 Self::fast(dense.clone(), !exact, || QMatMul::from_qtensor(weight))
             }
+            Numerics::Ggml => Ok(Self {
+                rows: RowPath::Ggml {
+                    grid: InputGrid::for_weight(weight.dtype())?,
+                    weight: dense.clone(),
+                },
+                dense: None,
+            }),
         }
     }
 
@@ -147,6 +180,7 @@ impl Linear {
             (_, RowPath::Candle(q)) => Ok(q.forward(x)?),
             (_, RowPath::Q8(m)) => per_row(x, m.rows(), |v| m.gemv(v)),
             (_, RowPath::Q41(m)) => per_row(x, m.rows(), |v| m.gemv(v)),
+            (_, RowPath::Ggml { grid, weight }) => Ok(grid.round_trip(x)?.matmul(&weight.t()?)?),
         }
     }
 
@@ -158,6 +192,7 @@ impl Linear {
             (None, RowPath::Candle(QMatMul::Tensor(t) | QMatMul::TensorF16(t))) => {
                 Ok(t.to_dtype(candle_core::DType::F32)?)
             }
+            (None, RowPath::Ggml { weight, .. }) => Ok(weight.clone()),
             (None, RowPath::Q8(_) | RowPath::Q41(_)) => Err(crate::Error::invalid(
                 "weight",
                 "an 8-bit decode weight without its f32 copy",
@@ -181,7 +216,7 @@ fn per_row(x: &Tensor, out: usize, gemv: impl Fn(&[f32]) -> Vec<f32>) -> Result<
 /// In [`Numerics::Fast`] they are stacked into one weight, so a decode step quantizes its
 /// input once and runs one matmul instead of several; in [`Numerics::Reference`] they stay
 /// separate, as mistral.rs keeps them (stacking would not change a single float, only
-/// the layout).
+/// the layout), and in [`Numerics::Ggml`] too, each rounding its input to its own grid.
 #[derive(Debug, Clone)]
 pub enum Projections {
     /// One stacked weight and the output width of each part.
@@ -194,7 +229,7 @@ impl Projections {
     /// Build from the parts' GGUF tensors, each `(out_i, in)`.
     pub fn new(parts: Vec<QTensor>, numerics: Numerics) -> Result<Self> {
         match numerics {
-            Numerics::Reference => Ok(Projections::Separate(
+            Numerics::Reference | Numerics::Ggml => Ok(Projections::Separate(
                 parts
                     .into_iter()
                     .map(|p| Linear::new(p, numerics))

@@ -7,6 +7,7 @@ pub mod config;
 mod fast_exp;
 pub mod fetch;
 pub mod generate;
+pub mod ggml;
 pub mod gguf;
 pub mod head_cache;
 pub mod intervene;

@@ -10,6 +10,7 @@ use candle_core::{Device, Tensor, D};
 
 use crate::model::attention;
 use crate::model::config::{Architecture, LayerSpec};
+use crate::model::ggml;
 use crate::model::gguf::{GgufFile, TensorSource};
 use crate::model::intervene::MaskSpan;
 use crate::model::linear::Projections;
@@ -396,7 +397,10 @@ impl Model {
             let gu = block.gate_up.forward(&h)?;
             let gate = match self.activation {
                 Activation::Silu => gu[0].silu()?,
-                Activation::GeluTanh => gu[0].gelu()?,
+                Activation::GeluTanh => match self.numerics {
+                    Numerics::Ggml => ggml::gelu_tensor(&gu[0])?,
+                    Numerics::Reference | Numerics::Fast => gu[0].gelu()?,
+                },
             };
             let ffn = block.down.forward(&(gate * &gu[1])?)?;
             x = (x + post_norm(ffn, &block.post_ffn_norm)?)?;
@@ -513,7 +517,7 @@ impl Model {
                 }
                 out
             }
-            Numerics::Reference => {
+            Numerics::Reference | Numerics::Ggml => {
                 if wants.attention {
                     let (_, probs) =
                         attention::batched(&qh, &keys, &values, mask.as_ref(), causal)?;
