@@ -58,36 +58,23 @@ impl InputGrid {
         })
     }
 
-    /// Values per block.
-    fn block(self) -> usize {
-        match self {
-            Self::F32 | Self::F16 => 1,
-            Self::Q8_0 => 32,
-            Self::Q8K => 256,
-        }
-    }
-
     /// `x` `(rows, in)` f32 rounded to this grid and back to f32 (same shape).
     pub fn round_trip(self, x: &Tensor) -> Result<Tensor> {
-        match self {
+        let (block, round): (usize, fn(&mut [f32])) = match self {
             Self::F32 => return Ok(x.clone()),
             Self::F16 => return Ok(x.to_dtype(DType::F16)?.to_dtype(DType::F32)?),
-            Self::Q8_0 | Self::Q8K => {}
-        }
+            Self::Q8_0 => (32, q8_0),
+            Self::Q8K => (256, q8_k),
+        };
         let width = x.dim(x.rank() - 1)?;
-        if width % self.block() != 0 {
+        if width % block != 0 {
             return Err(Error::invalid(
                 "matmul input",
-                format!("width {width} is not a multiple of {:?}'s block", self),
+                format!("width {width} is not a multiple of {self:?}'s block of {block}"),
             ));
         }
         let mut values: Vec<f32> = x.flatten_all()?.to_vec1()?;
-        for block in values.chunks_mut(self.block()) {
-            match self {
-                Self::Q8_0 => q8_0(block),
-                _ => q8_k(block),
-            }
-        }
+        values.chunks_mut(block).for_each(round);
         Ok(Tensor::from_vec(values, x.shape(), x.device())?)
     }
 }
