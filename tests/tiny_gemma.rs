@@ -31,12 +31,21 @@ fn stepwise(model: &Model, toks: &[u32], edits: &Interventions) -> Vec<Vec<f32>>
         .collect()
 }
 
+/// How far each numerics may be from the f32 brute force: `Ggml` looks GELU up in ggml's
+/// f16 table (a relative error of up to 2^-11 per value); the others compute it in f32.
+fn tolerance(numerics: Numerics) -> f32 {
+    match numerics {
+        Numerics::Ggml => 5e-3,
+        Numerics::Fast | Numerics::Reference => 1e-4,
+    }
+}
+
 #[test]
-fn prefill_and_decode_match_brute_force_in_both_numerics() {
+fn prefill_and_decode_match_brute_force_in_every_numerics() {
     let w = Weights::random(tiny_gemma_config(), 21);
     let toks = tokens(13);
     let want = brute_force_logits(&w, &toks, &no_edits());
-    for numerics in [Numerics::Fast, Numerics::Reference] {
+    for numerics in [Numerics::Fast, Numerics::Reference, Numerics::Ggml] {
         let mut model = w.model(numerics);
         for chunk in [256, 1, 3, 4, 7] {
             model.set_chunk(chunk);
@@ -51,7 +60,10 @@ fn prefill_and_decode_match_brute_force_in_both_numerics() {
                 )
                 .unwrap();
             let d = max_diff(&got, &want);
-            assert!(d < 1e-4, "{numerics:?}, chunk {chunk}: max |diff| {d}");
+            assert!(
+                d < tolerance(numerics),
+                "{numerics:?}, chunk {chunk}: max |diff| {d}"
+            );
         }
         let d = max_diff(
             &candle_core::Tensor::new(
@@ -61,7 +73,10 @@ fn prefill_and_decode_match_brute_force_in_both_numerics() {
             .unwrap(),
             &want,
         );
-        assert!(d < 1e-4, "{numerics:?} decode: max |diff| {d}");
+        assert!(
+            d < tolerance(numerics),
+            "{numerics:?} decode: max |diff| {d}"
+        );
     }
 }
 
@@ -162,16 +177,17 @@ fn key_restrictions_compose_with_the_window() {
             output: &|_, _| None,
         },
     );
-    for numerics in [Numerics::Fast, Numerics::Reference] {
+    for numerics in [Numerics::Fast, Numerics::Reference, Numerics::Ggml] {
         let model = w.model(numerics);
         let mut cache = KvCache::new(model.config(), 4);
         let got = model
             .forward(&toks, &mut cache, Logits::All, &mut NoObserver, &edits)
             .unwrap();
-        assert!(max_diff(&got, &want) < 1e-4, "{numerics:?} prefill");
+        let tol = tolerance(numerics);
+        assert!(max_diff(&got, &want) < tol, "{numerics:?} prefill");
         let got =
             candle_core::Tensor::new(stepwise(&model, &toks, &edits), &candle_core::Device::Cpu)
                 .unwrap();
-        assert!(max_diff(&got, &want) < 1e-4, "{numerics:?} decode");
+        assert!(max_diff(&got, &want) < tol, "{numerics:?} decode");
     }
 }

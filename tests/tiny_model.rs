@@ -20,10 +20,10 @@ fn logits_all(model: &Model, tokens: &[u32], edits: &Interventions) -> candle_co
 }
 
 #[test]
-fn forward_matches_brute_force_in_both_numerics() {
+fn forward_matches_brute_force_in_every_numerics() {
     let w = Weights::random(tiny_config(), 1);
     let want = brute_force_logits(&w, TOKENS, &no_edits());
-    for numerics in [Numerics::Fast, Numerics::Reference] {
+    for numerics in [Numerics::Fast, Numerics::Reference, Numerics::Ggml] {
         let got = logits_all(&w.model(numerics), TOKENS, &Interventions::new());
         assert_eq!(got.dims(), &[TOKENS.len(), 97]);
         let d = max_diff(&got, &want);

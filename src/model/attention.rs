@@ -16,6 +16,9 @@
 //!   every matmul, any last-bit difference in attention would otherwise cascade through
 //!   rounding flips into logit differences of ~0.1 (measured), which is why parity needs
 //!   the same order and not merely the same function.
+//! * [`ggml_plain`]: llama.cpp's plain attention over an f32 cache in ggml's arithmetic
+//!   order (scores, softmax and value sums of [`crate::model::ggml`]), for parity with
+//!   llama.cpp.
 //!
 //! Shapes: queries `(n_heads, q, d_head)` contiguous; keys and values
 //! `(n_kv_heads, kv_len, d_head)` (views into the KV cache, last dim contiguous); mask
@@ -25,7 +28,7 @@
 use candle_core::{Device, Storage, Tensor};
 use rayon::prelude::*;
 
-use crate::model::fast_exp;
+use crate::model::{fast_exp, ggml};
 use crate::{Error, Result};
 
 /// Keys per tile in the single-query path.
@@ -420,6 +423,7 @@ impl Default for Part {
 }
 
 /// Sizes shared by the loop kernels.
+#[derive(Debug, Clone, Copy)]
 struct Shapes {
     nh: usize,
     q_len: usize,
@@ -547,6 +551,83 @@ impl Online {
     }
 }
 
+/// One attention call's operands borrowed as rows, for the per-row kernels.
+struct Rows<'a> {
+    shapes: &'a Shapes,
+    q: &'a [f32],
+    k: (&'a [f32], &'a [usize]),
+    v: (&'a [f32], &'a [usize]),
+    mask: Option<&'a [f32]>,
+    /// The first query's offset from key 0 (for the causal rule without a mask).
+    start: usize,
+}
+
+impl Rows<'_> {
+    /// Query row `i = head * q_len + t`.
+    fn query(&self, i: usize) -> &[f32] {
+        let dh = self.shapes.dh;
+        &self.q[i * dh..(i + 1) * dh]
+    }
+
+    fn at<'b>(&self, (data, st): (&'b [f32], &[usize]), kvh: usize, j: usize) -> &'b [f32] {
+        let b = kvh * st[0] + j * st[1];
+        &data[b..b + self.shapes.dh]
+    }
+
+    /// Key `j` of KV head `kvh`.
+    fn key(&self, kvh: usize, j: usize) -> &[f32] {
+        self.at(self.k, kvh, j)
+    }
+
+    /// Value `j` of KV head `kvh`.
+    fn value(&self, kvh: usize, j: usize) -> &[f32] {
+        self.at(self.v, kvh, j)
+    }
+
+    /// Additive bias of key `j` for query row `i`: the mask's, or causal.
+    fn bias(&self, i: usize, j: usize) -> f32 {
+        match self.mask {
+            Some(m) => m[i * self.shapes.kv_len + j],
+            None if j > self.start + i % self.shapes.q_len => f32::NEG_INFINITY,
+            None => 0.0,
+        }
+    }
+}
+
+/// Run `kernel(rows, out)` over `q`, `keys`, `values` and `mask` borrowed as [`Rows`],
+/// with `out` `(n_heads * q * d_head)` zeroed; returns `out` as `(n_heads, q, d_head)`.
+fn per_row(
+    q: &Tensor,
+    keys: &Tensor,
+    values: &Tensor,
+    start: usize,
+    mask: Option<&Tensor>,
+    kernel: impl FnOnce(&Rows, &mut [f32]),
+) -> Result<Tensor> {
+    let shapes = Shapes::of(q, keys)?;
+    let (nh, q_len, dh) = (shapes.nh, shapes.q_len, shapes.dh);
+    let q = q.contiguous()?;
+    let mask = mask_values(mask)?;
+    let mut out = vec![0f32; nh * q_len * dh];
+    with_data(&q, |qd, _| {
+        with_data(keys, |kd, ks| {
+            with_data(values, |vd, vs| {
+                let rows = Rows {
+                    shapes: &shapes,
+                    q: qd,
+                    k: (kd, ks),
+                    v: (vd, vs),
+                    mask: mask.as_deref(),
+                    start,
+                };
+                kernel(&rows, &mut out);
+                Ok(())
+            })
+        })
+    })?;
+    Ok(Tensor::from_vec(out, (nh, q_len, dh), &Device::Cpu)?)
+}
+
 /// Attention by online softmax in mistral.rs's arithmetic order (see the module docs).
 pub(crate) fn streaming(
     q: &Tensor,
@@ -555,73 +636,88 @@ pub(crate) fn streaming(
     start: usize,
     mask: Option<&Tensor>,
 ) -> Result<Tensor> {
-    let Shapes {
-        nh,
-        q_len,
-        dh,
-        kv_len,
-        group,
-        scale,
-    } = Shapes::of(q, keys)?;
-    let q = q.contiguous()?;
-    let mask = mask_values(mask)?;
-    let mut out = vec![0f32; nh * q_len * dh];
-    with_data(&q, |qd, _| {
-        with_data(keys, |kd, ks| {
-            with_data(values, |vd, vs| {
-                let row = |st: &[usize], kvh: usize, pos: usize| {
-                    let b = kvh * st[0] + pos * st[1];
-                    b..b + dh
-                };
-                for h in 0..nh {
-                    let kvh = h / group;
-                    for t in 0..q_len {
-                        let qrow = &qd[(h * q_len + t) * dh..(h * q_len + t + 1) * dh];
-                        let bias = |j: usize| -> f32 {
-                            match &mask {
-                                Some(m) => m[(h * q_len + t) * kv_len + j],
-                                None if j > start + t => f32::NEG_INFINITY,
-                                None => 0.0,
-                            }
-                        };
-                        let visit = |st: &mut Online, j: usize| {
-                            let b = bias(j);
-                            if b == f32::NEG_INFINITY {
-                                return;
-                            }
-                            let score = dot4(qrow, &kd[row(ks, kvh, j)]) * scale + b;
-                            st.push(score, &vd[row(vs, kvh, j)]);
-                        };
-                        let slot = &mut out[(h * q_len + t) * dh..(h * q_len + t + 1) * dh];
-                        if q_len == 1 {
-                            let mut total: Option<Online> = None;
-                            for tile in (0..kv_len).step_by(TILE) {
-                                let mut st = Online::new(dh);
-                                for j in tile..(tile + TILE).min(kv_len) {
-                                    visit(&mut st, j);
-                                }
-                                match total.as_mut() {
-                                    None => total = Some(st),
-                                    Some(acc) => acc.merge(&st),
-                                }
-                            }
-                            if let Some(st) = total {
-                                st.write(slot);
-                            }
-                        } else {
-                            let mut st = Online::new(dh);
-                            for j in 0..kv_len {
-                                visit(&mut st, j);
-                            }
-                            st.write(slot);
-                        }
+    per_row(q, keys, values, start, mask, |rows, out| {
+        let Shapes {
+            q_len,
+            dh,
+            kv_len,
+            group,
+            scale,
+            ..
+        } = *rows.shapes;
+        for (i, slot) in out.chunks_mut(dh).enumerate() {
+            let (kvh, qrow) = (i / q_len / group, rows.query(i));
+            let visit = |st: &mut Online, j: usize| {
+                let b = rows.bias(i, j);
+                if b == f32::NEG_INFINITY {
+                    return;
+                }
+                let score = dot4(qrow, rows.key(kvh, j)) * scale + b;
+                st.push(score, rows.value(kvh, j));
+            };
+            if q_len == 1 {
+                let mut total: Option<Online> = None;
+                for tile in (0..kv_len).step_by(TILE) {
+                    let mut st = Online::new(dh);
+                    for j in tile..(tile + TILE).min(kv_len) {
+                        visit(&mut st, j);
+                    }
+                    match total.as_mut() {
+                        None => total = Some(st),
+                        Some(acc) => acc.merge(&st),
                     }
                 }
-                Ok(())
-            })
-        })
-    })?;
-    Ok(Tensor::from_vec(out, (nh, q_len, dh), &Device::Cpu)?)
+                if let Some(st) = total {
+                    st.write(slot);
+                }
+            } else {
+                let mut st = Online::new(dh);
+                for j in 0..kv_len {
+                    visit(&mut st, j);
+                }
+                st.write(slot);
+            }
+        }
+    })
+}
+
+/// Attention as llama.cpp computes it without flash attention over an f32 KV cache
+/// (`-fa off -ctk f32 -ctv f32`): per query row, scores [`ggml::dot`]`(q, k)` scaled by
+/// `1 / sqrt(d_head)` plus the mask, [`ggml::softmax_in_place`], and each output
+/// dimension `sum_j p_j v_j` by [`ggml::weighted_rows`]. (ggml scales `q` before the
+/// product; for a power-of-two scale, as in both models here, that is the same float.)
+/// Keys line up with ggml's lanes by absolute position (`key_start` is key 0's), as
+/// llama.cpp's cache cells do until it evicts. `start` is the first query's offset from
+/// key 0. Parallel over (head, query) rows.
+pub(crate) fn ggml_plain(
+    q: &Tensor,
+    keys: &Tensor,
+    values: &Tensor,
+    start: usize,
+    key_start: usize,
+    mask: Option<&Tensor>,
+) -> Result<Tensor> {
+    per_row(q, keys, values, start, mask, |rows, out| {
+        let Shapes {
+            q_len,
+            dh,
+            kv_len,
+            group,
+            scale,
+            ..
+        } = *rows.shapes;
+        out.par_chunks_mut(dh).enumerate().for_each(|(i, slot)| {
+            let (kvh, qrow) = (i / q_len / group, rows.query(i));
+            let mut p: Vec<f32> = (0..kv_len)
+                .map(|j| match rows.bias(i, j) {
+                    f32::NEG_INFINITY => f32::NEG_INFINITY,
+                    b => ggml::dot(qrow, rows.key(kvh, j)) * scale + b,
+                })
+                .collect();
+            ggml::softmax_in_place(&mut p, key_start);
+            ggml::weighted_rows(&p, key_start, |j| rows.value(kvh, j), slot);
+        });
+    })
 }
 
 #[cfg(test)]
@@ -712,6 +808,34 @@ mod tests {
             let given = blocked(&q, &k, &v, start, Some(&biased), window).unwrap();
             assert!(max_diff(&given, &want) < 1e-5, "{case}");
             assert!(max_diff(&given, &got) > 1e-3, "{case}: the bias is used");
+        }
+    }
+
+    #[test]
+    fn ggml_plain_matches_batched_attention() {
+        // Prefill with a window and a bias, a causal prefill after earlier keys, and one
+        // decode step; lanes aligned to absolute positions other than 0 change only the
+        // last bits.
+        for (nh, nkv, q_len, start, window, bias) in [
+            (4, 1, 70, 0, Some(20), 0.3),
+            (6, 2, 33, 40, None, 0.0),
+            (9, 3, 1, 99, None, 0.0),
+        ] {
+            let kv_len = start + q_len;
+            let q = Tensor::randn(0f32, 1.0, (nh, q_len, 64), &Device::Cpu).unwrap();
+            let k = Tensor::randn(0f32, 1.0, (nkv, kv_len, 64), &Device::Cpu).unwrap();
+            let v = Tensor::randn(0f32, 1.0, (nkv, kv_len, 64), &Device::Cpu).unwrap();
+            let mask = full_mask((nh, q_len, kv_len), start, window, bias);
+            let (want, _) = batched(&q, &k, &v, Some(&mask), None).unwrap();
+            let case = format!("{nh}/{nkv}/{q_len}/{start}/{window:?}");
+            let got = ggml_plain(&q, &k, &v, start, 0, Some(&mask)).unwrap();
+            assert!(max_diff(&got, &want) < 1e-5, "{case}");
+            if window.is_none() && bias == 0.0 {
+                let causal = ggml_plain(&q, &k, &v, start, 0, None).unwrap();
+                assert_eq!(max_diff(&causal, &got), 0.0, "{case}: None is causal");
+            }
+            let shifted = ggml_plain(&q, &k, &v, start, 7, Some(&mask)).unwrap();
+            assert!(max_diff(&shifted, &got) < 1e-6, "{case}");
         }
     }
 

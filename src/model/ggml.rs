@@ -1,19 +1,26 @@
-//! The two places where llama.cpp's CPU backend (ggml) rounds more coarsely than f32, so
-//! that [`Numerics::Ggml`](crate::model::Numerics::Ggml) can follow llama.cpp token for
-//! token:
+//! llama.cpp's CPU arithmetic (ggml, x86 with AVX-512), so that
+//! [`Numerics::Ggml`](crate::model::Numerics::Ggml) can follow llama.cpp token for token.
+//! Each piece was checked against tensors dumped from `llama-perplexity`'s library
+//! (0.3.36, `-fa off -ctk f32 -ctv f32`) on Gemma-3-270M: bit-identical unless noted.
 //!
-//! - **matmul inputs**: before a dot product with a quantized weight, ggml quantizes the
-//!   input row to the weight type's 8-bit companion format ([`InputGrid`]); the dot product
+//! - **matmul inputs** ([`InputGrid`]): before a dot product with a quantized weight, ggml
+//!   quantizes the input row to the weight type's 8-bit companion format; the dot product
 //!   is then exact integer arithmetic on the codes. Rounding the input to the same codes
 //!   and multiplying by the dequantized weight in f32 gives the same value up to f32
-//!   summation order. (candle, and so mistral.rs, scales its `Q8_K` codes by `max / 128`
-//!   where ggml now uses `max / 127`: a different grid, so different rounding in every
-//!   K-quant matmul.)
-//! - **GELU**: ggml rounds the input to f16 and looks the f16-rounded GELU up in a
-//!   65,536-entry table ([`gelu`]).
+//!   summation order (the one place not bit-identical: ~1e-7 relative). (candle, and so
+//!   mistral.rs, scales its `Q8_K` codes by `max / 128` where ggml now uses `max / 127`:
+//!   a different grid, so different rounding in every K-quant matmul.)
+//! - **GELU** ([`gelu`]): ggml rounds the input to f16 and looks the f16-rounded GELU up
+//!   in a 65,536-entry table.
+//! - **RMSNorm** ([`rms_norm`]): the sum of squares in f64, then `x * (1 / sqrt(mean +
+//!   eps)) * w` in f32 (candle sums in f32 and divides).
+//! - **attention scores and values** ([`dot`], [`weighted_rows`], [`softmax_in_place`]):
+//!   ggml's summation orders (four 16-lane accumulators for `q . k`, one for `p . v`), its
+//!   vectorised `exp` ([`expf`]) and its softmax sums per 16 keys in f64.
 //!
-//! Each is a relative error of up to ~2^-8 (the 8-bit codes) or 2^-11 (f16) per element,
-//! orders above the f32 differences of the other operations.
+//! The 8-bit codes and the f16 table are relative errors of ~2^-8 and 2^-11 per element;
+//! the others are last-bit differences, which matter only because they flip some of the
+//! 8-bit roundings downstream, and each flip moves a logit by ~1e-3 to 1e-2.
 
 use std::sync::OnceLock;
 
@@ -108,11 +115,13 @@ fn q8_k(block: &mut [f32]) {
     }
 }
 
-/// `0.5 x (1 + tanh(sqrt(2/pi) x (1 + 0.044715 x^2)))` in f32, term by term.
+/// `0.5 x (1 + tanh(sqrt(2/pi) x (1 + 0.044715 x^2)))` in f32, term by term as ggml
+/// fills its table.
 fn gelu_tanh(x: f32) -> f32 {
     const COEF_A: f32 = 0.044715;
     const SQRT_2_OVER_PI: f32 = 0.797_884_6;
-    0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (1.0 + COEF_A * x * x)).tanh())
+    // ggml's build contracts `1 + a x x` into one fused multiply-add.
+    0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (COEF_A * x).mul_add(x, 1.0)).tanh())
 }
 
 /// The f16-rounded GELU of every f16 value, indexed by its bit pattern.
@@ -144,12 +153,247 @@ pub fn gelu_tensor(x: &Tensor) -> Result<Tensor> {
     Ok(Tensor::from_vec(out, x.shape(), x.device())?)
 }
 
+/// `x` `(..., d)` RMS-normalised over its last axis and scaled by `w` `(d,)`, as ggml's
+/// `rms_norm` followed by `mul`: `sum(x^2)` accumulated in f64, `mean` rounded to f32,
+/// then `x * (1 / sqrt(mean + eps)) * w` in f32. Same shape as `x`.
+pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f32) -> Result<Tensor> {
+    let d = x.dim(x.rank() - 1)?;
+    let w: Vec<f32> = w.to_vec1()?;
+    if w.len() != d {
+        return Err(Error::invalid(
+            "rms_norm",
+            format!("weight of {} for rows of {d}", w.len()),
+        ));
+    }
+    let mut values: Vec<f32> = x.flatten_all()?.to_vec1()?;
+    for row in values.chunks_mut(d) {
+        let sum: f64 = row.iter().map(|v| f64::from(v * v)).sum();
+        let mean = (sum / d as f64) as f32;
+        let scale = 1.0 / (mean + eps).sqrt();
+        for (v, w) in row.iter_mut().zip(&w) {
+            *v = *v * scale * w;
+        }
+    }
+    Ok(Tensor::from_vec(values, x.shape(), x.device())?)
+}
+
+/// Lanes of one AVX-512 register of f32.
+const LANES: usize = 16;
+
+/// The sum of 16 lanes in the pairing order of GCC's `_mm512_reduce_add_ps`: lane `i`
+/// plus lane `i + 8`, then `+ 4`, `+ 2`, `+ 1`.
+pub fn reduce16(lanes: &[f32; LANES]) -> f32 {
+    let mut v = *lanes;
+    let mut width = LANES / 2;
+    while width > 0 {
+        for i in 0..width {
+            v[i] += v[i + width];
+        }
+        width /= 2;
+    }
+    v[0]
+}
+
+/// `x . y` in the order of ggml's `ggml_vec_dot_f32` (the attention scores `q . k`):
+/// four 16-lane fused multiply-add accumulators over steps of 64, folded `0 + 2`, `1 + 3`,
+/// then `0 + 1`, [`reduce16`], and a tail past the last multiple of 64 added in f64.
+pub fn dot(x: &[f32], y: &[f32]) -> f32 {
+    debug_assert_eq!(x.len(), y.len());
+    let step = 4 * LANES;
+    let whole = x.len() / step * step;
+    let mut acc = [[0f32; LANES]; 4];
+    for base in (0..whole).step_by(step) {
+        for (a, lanes) in acc.iter_mut().enumerate() {
+            let at = base + a * LANES;
+            for (l, s) in lanes.iter_mut().enumerate() {
+                *s = x[at + l].mul_add(y[at + l], *s);
+            }
+        }
+    }
+    let [mut a0, mut a1, a2, a3] = acc;
+    for l in 0..LANES {
+        a0[l] += a2[l];
+        a1[l] += a3[l];
+    }
+    for l in 0..LANES {
+        a0[l] += a1[l];
+    }
+    let tail: f64 = (whole..x.len()).map(|i| f64::from(x[i] * y[i])).sum();
+    (f64::from(reduce16(&a0)) + tail) as f32
+}
+
+/// `out[d] = sum_j p[j] row(j)[d]` (the attention output `p . v`) in the order of ggml's
+/// tinyBLAS f32 kernel: per `d`, one 16-lane fused multiply-add accumulator, term `j` in
+/// lane `(first + j) % 16`, then [`reduce16`]. `first` is the position of term 0, so that
+/// lanes line up with a sum that starts at position 0 (the terms before `first` being
+/// zero, as masked keys are).
+pub fn weighted_rows<'a>(
+    p: &[f32],
+    first: usize,
+    row: impl Fn(usize) -> &'a [f32],
+    out: &mut [f32],
+) {
+    let mut lanes = vec![[0f32; LANES]; out.len()];
+    for (j, &pj) in p.iter().enumerate() {
+        let lane = (first + j) % LANES;
+        for (acc, v) in lanes.iter_mut().zip(row(j)) {
+            acc[lane] = v.mul_add(pj, acc[lane]);
+        }
+    }
+    for (o, acc) in out.iter_mut().zip(&lanes) {
+        *o = reduce16(acc);
+    }
+}
+
+/// ggml's vectorised `exp` (`ggml_v_expf`, the AVX-512 form) of one lane: `x = n ln2 + b`
+/// with `n` rounded to an integer, a degree-5 polynomial in `b`, scaled by `2^n`;
+/// `0` or `inf` once `|n| > 192`. Within 2 ulp of `exp` (tested).
+pub fn expf(x: f32) -> f32 {
+    // Round-to-integer shift 1.5 * 2^23, log2(e), ln 2 split in two, polynomial terms.
+    let shift = f32::from_bits(0x4b40_0000);
+    let log2e = f32::from_bits(0x3fb8_aa3b);
+    let ln2_hi = f32::from_bits(0x3f31_7200);
+    let ln2_lo = f32::from_bits(0x35bf_be8e);
+    let c = [
+        0x3f7f_fff6,
+        0x3eff_fedb,
+        0x3e2a_af33,
+        0x3d2b_9f17,
+        0x3c07_2010,
+    ]
+    .map(f32::from_bits);
+    let n = x.mul_add(log2e, shift) - shift;
+    let b = (-n).mul_add(ln2_lo, (-n).mul_add(ln2_hi, x));
+    if n.abs() > 192.0 {
+        return if n <= 0.0 { 0.0 } else { f32::INFINITY };
+    }
+    let u = b * b;
+    let high = c[4].mul_add(b, c[3]).mul_add(u, c[2].mul_add(b, c[1]));
+    let j = high.mul_add(u, c[0].mul_add(b, 1.0));
+    // `j * 2^n` rounded once, as `_mm512_scalef_ps` does (exact in f64 first).
+    (f64::from(j) * 2f64.powi(n as i32)) as f32
+}
+
+/// Scores `(kv,)` of one query row (masked entries `-inf`) turned into probabilities in
+/// place as ggml's `soft_max` does: `exp(s - max)` by [`expf`], summed per 16 keys
+/// ([`reduce16`], keys aligned to position 0 through `first`, the position of entry 0)
+/// into an f64 total, then each multiplied by `1 / total` rounded to f32. A row with
+/// every entry masked becomes all zeros.
+pub fn softmax_in_place(scores: &mut [f32], first: usize) {
+    let max = scores.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    if max == f32::NEG_INFINITY {
+        scores.fill(0.0);
+        return;
+    }
+    let mut total = 0f64;
+    let (n, mut lanes) = (scores.len(), [0f32; LANES]);
+    for (j, s) in scores.iter_mut().enumerate() {
+        *s = expf(*s - max);
+        let lane = (first + j) % LANES;
+        lanes[lane] = *s;
+        if lane == LANES - 1 || j + 1 == n {
+            total += f64::from(reduce16(&lanes));
+            lanes = [0f32; LANES];
+        }
+    }
+    let inv = (1.0 / total) as f32;
+    for s in scores.iter_mut() {
+        *s *= inv;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use candle_core::quantized::QTensor;
     use candle_core::Device;
 
+    /// Units in the last place between two f32 of the same sign.
+    fn ulps(a: f32, b: f32) -> u32 {
+        a.to_bits().abs_diff(b.to_bits())
+    }
+
+    fn pseudo(n: usize, seed: u32) -> Vec<f32> {
+        (0..n)
+            .map(|i| ((i as f32 + 1.0) * (seed as f32 + 0.37) * 12.9898).sin() * 3.0)
+            .collect()
+    }
+
+    #[test]
+    fn expf_is_within_two_ulp_of_exp_and_saturates() {
+        for i in 0..20_000 {
+            let x = -87.0 + i as f32 * 0.0049;
+            let want = (x as f64).exp() as f32;
+            assert!(ulps(expf(x), want) <= 2, "{x}: {} vs {want}", expf(x));
+        }
+        assert_eq!(expf(0.0), 1.0);
+        assert_eq!(expf(f32::NEG_INFINITY), 0.0);
+        assert_eq!(expf(-200.0), 0.0);
+        assert_eq!(expf(200.0), f32::INFINITY);
+    }
+
+    #[test]
+    fn reduce16_pairs_lanes_eight_apart() {
+        // Left to right, each 1 is lost against 2^24; paired (1 + 1 first) it is kept.
+        let mut lanes = [0f32; 16];
+        (lanes[0], lanes[1], lanes[9]) = (16_777_216.0, 1.0, 1.0);
+        assert_eq!(lanes.iter().fold(0f32, |s, v| s + v), 16_777_216.0);
+        assert_eq!(reduce16(&lanes), 16_777_218.0);
+    }
+
+    #[test]
+    fn dot_and_weighted_rows_match_f64_sums() {
+        for n in [64, 256, 70, 5] {
+            let (x, y) = (pseudo(n, 1), pseudo(n, 2));
+            let want: f64 = x.iter().zip(&y).map(|(a, b)| *a as f64 * *b as f64).sum();
+            assert!((dot(&x, &y) as f64 - want).abs() < 1e-5 * n as f64, "n {n}");
+        }
+        let (p, rows) = (pseudo(37, 3), pseudo(37 * 8, 4));
+        let mut out = [0f32; 8];
+        weighted_rows(&p, 5, |j| &rows[j * 8..(j + 1) * 8], &mut out);
+        for (d, o) in out.iter().enumerate() {
+            let want: f64 = (0..37).map(|j| p[j] as f64 * rows[j * 8 + d] as f64).sum();
+            assert!((*o as f64 - want).abs() < 1e-4, "{d}: {o} vs {want}");
+        }
+    }
+
+    #[test]
+    fn softmax_matches_f64_and_zeroes_masked_entries() {
+        let mut s = pseudo(40, 5);
+        s[3] = f32::NEG_INFINITY;
+        let max = s.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)) as f64;
+        let e: Vec<f64> = s.iter().map(|&v| (v as f64 - max).exp()).collect();
+        let total: f64 = e.iter().sum();
+        softmax_in_place(&mut s, 11);
+        assert_eq!(s[3], 0.0);
+        for (got, want) in s.iter().zip(&e) {
+            assert!((*got as f64 - want / total).abs() < 1e-7);
+        }
+        let mut masked = vec![f32::NEG_INFINITY; 5];
+        softmax_in_place(&mut masked, 0);
+        assert_eq!(masked, vec![0.0; 5]);
+    }
+
+    #[test]
+    fn rms_norm_matches_f64_within_two_ulp() -> Result<()> {
+        let (x, w) = (pseudo(3 * 64, 6), pseudo(64, 7));
+        let got: Vec<f32> = rms_norm(
+            &Tensor::from_vec(x.clone(), (3, 64), &Device::Cpu)?,
+            &Tensor::from_vec(w.clone(), 64, &Device::Cpu)?,
+            1e-6,
+        )?
+        .flatten_all()?
+        .to_vec1()?;
+        for (r, row) in x.chunks(64).enumerate() {
+            let ms: f64 = row.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / 64.0;
+            let inv = 1.0 / (ms + 1e-6).sqrt();
+            for (i, v) in row.iter().enumerate() {
+                let want = (*v as f64 * inv * w[i] as f64) as f32;
+                assert!(ulps(got[r * 64 + i], want) <= 2, "{r}/{i}");
+            }
+        }
+        Ok(())
+    }
     /// GELU with the exact error function in f64 (Simpson's rule): an independent
     /// definition.
     fn gelu_erf(x: f64) -> f64 {

@@ -14,6 +14,8 @@ pub struct Rope {
     cos: Tensor,
     sin: Tensor,
     style: RopeStyle,
+    /// ggml's rotation (fused multiply-adds) instead of candle's kernels.
+    fused: bool,
 }
 
 impl Rope {
@@ -32,6 +34,35 @@ impl Rope {
             cos: angles.cos()?,
             sin: angles.sin()?,
             style,
+            fused: false,
+        })
+    }
+
+    /// Tables and rotation in ggml's arithmetic, for
+    /// [`Numerics::Ggml`](crate::model::Numerics::Ggml): the angle of pair `i` at position
+    /// `p` is `p s^i` with `s = base^(-2 / d_head)`, built by repeated f32 multiplication
+    /// (`p`, `p s`, `(p s) s`, ...), `cos`/`sin` in f32, and a pair `(a, b)` becomes
+    /// `(fma(a, cos, -(b sin)), fma(a, sin, b cos))`. Checked bit for bit against
+    /// llama.cpp's RoPE; computing `base^(-2i / d_head)` directly instead moves rotated
+    /// queries of Gemma-3-270M by up to 2.4e-4 within the first 347 positions.
+    pub fn ggml(base: f32, d_head: usize, context: usize, style: RopeStyle) -> Result<Self> {
+        let half = d_head / 2;
+        let step = base.powf(-2.0 / d_head as f32);
+        let mut cos = Vec::with_capacity(context * half);
+        let mut sin = Vec::with_capacity(context * half);
+        for p in 0..context {
+            let mut theta = p as f32;
+            for _ in 0..half {
+                cos.push(theta.cos());
+                sin.push(theta.sin());
+                theta *= step;
+            }
+        }
+        Ok(Self {
+            cos: Tensor::from_vec(cos, (context, half), &Device::Cpu)?,
+            sin: Tensor::from_vec(sin, (context, half), &Device::Cpu)?,
+            style,
+            fused: true,
         })
     }
 
@@ -41,10 +72,37 @@ impl Rope {
         let cos = self.cos.narrow(0, start, seq)?;
         let sin = self.sin.narrow(0, start, seq)?;
         let x = x.contiguous()?;
+        if self.fused {
+            return self.apply_fused(&x, &cos, &sin);
+        }
         Ok(match self.style {
             RopeStyle::Interleaved => candle_nn::rotary_emb::rope_i(&x, &cos, &sin)?,
             RopeStyle::Halves => candle_nn::rotary_emb::rope(&x, &cos, &sin)?,
         })
+    }
+
+    /// ggml's rotation of contiguous `x` `(b, n_heads, seq, d_head)` by the tables' rows
+    /// `cos`/`sin` `(seq, d_head / 2)`.
+    fn apply_fused(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+        let d = x.dim(3)?;
+        let (seq, half) = (x.dim(2)?, d / 2);
+        let (cos, sin): (Vec<f32>, Vec<f32>) =
+            (cos.flatten_all()?.to_vec1()?, sin.flatten_all()?.to_vec1()?);
+        let mut v: Vec<f32> = x.flatten_all()?.to_vec1()?;
+        for (r, row) in v.chunks_mut(d).enumerate() {
+            let t = r % seq;
+            for i in 0..half {
+                let (a, b) = match self.style {
+                    RopeStyle::Interleaved => (2 * i, 2 * i + 1),
+                    RopeStyle::Halves => (i, i + half),
+                };
+                let (c, s) = (cos[t * half + i], sin[t * half + i]);
+                let (x0, x1) = (row[a], row[b]);
+                row[a] = x0.mul_add(c, -(x1 * s));
+                row[b] = x0.mul_add(s, x1 * c);
+            }
+        }
+        Ok(Tensor::from_vec(v, x.shape(), x.device())?)
     }
 }
 
@@ -84,8 +142,12 @@ mod tests {
     #[test]
     fn matches_brute_force_rotation_and_preserves_norms() {
         let (d, seq, start) = (16, 5, 7);
-        for style in [RopeStyle::Interleaved, RopeStyle::Halves] {
-            let rope = Rope::new(10_000.0, d, 64, style).unwrap();
+        for (style, ggml) in [RopeStyle::Interleaved, RopeStyle::Halves]
+            .into_iter()
+            .flat_map(|s| [(s, false), (s, true)])
+        {
+            let build = if ggml { Rope::ggml } else { Rope::new };
+            let rope = build(10_000.0, d, 64, style).unwrap();
             let x = Tensor::randn(0f32, 1.0, (1, 2, seq, d), &Device::Cpu).unwrap();
             let y = rope.apply(&x, start).unwrap();
             for h in 0..2 {

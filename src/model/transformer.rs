@@ -195,12 +195,18 @@ impl Model {
                 .position(|o| (o.rope_base, o.rope_style) == (spec.rope_base, spec.rope_style));
             match same {
                 Some(i) => ropes.push(ropes[i].clone()),
-                None => ropes.push(Rope::new(
-                    spec.rope_base,
-                    dh,
-                    cfg.context_length,
-                    spec.rope_style,
-                )?),
+                None => {
+                    let new = match numerics {
+                        Numerics::Ggml => Rope::ggml,
+                        Numerics::Reference | Numerics::Fast => Rope::new,
+                    };
+                    ropes.push(new(
+                        spec.rope_base,
+                        dh,
+                        cfg.context_length,
+                        spec.rope_style,
+                    )?)
+                }
             }
         }
         let (embed_scale, activation) = match cfg.architecture {
@@ -382,18 +388,17 @@ impl Model {
             x = (x * self.embed_scale)?;
         }
         let causal = (q > 1).then(|| causal_mask(start, q)).transpose()?;
-        let eps = self.cfg.rms_eps as f32;
         let post_norm = |t: Tensor, w: &Option<Tensor>| -> Result<Tensor> {
-            Ok(match w {
-                Some(w) => candle_nn::ops::rms_norm(&t, w, eps)?,
-                None => t,
-            })
+            match w {
+                Some(w) => self.norm(&t, w),
+                None => Ok(t),
+            }
         };
         for (l, block) in self.blocks.iter().enumerate() {
             let attn =
                 self.attention(l, block, &x, start, causal.as_ref(), cache, observer, edits)?;
             x = (x + post_norm(attn, &block.post_attn_norm)?)?;
-            let h = candle_nn::ops::rms_norm(&x, &block.ffn_norm, eps)?;
+            let h = self.norm(&x, &block.ffn_norm)?;
             let gu = block.gate_up.forward(&h)?;
             let gate = match self.activation {
                 Activation::Silu => gu[0].silu()?,
@@ -409,7 +414,7 @@ impl Model {
             }
         }
         cache.commit(q);
-        let h = candle_nn::ops::rms_norm(&x, &self.final_norm, self.cfg.rms_eps as f32)?;
+        let h = self.norm(&x, &self.final_norm)?;
         if wants.final_hidden {
             observer.final_hidden(&h);
         }
@@ -417,6 +422,15 @@ impl Model {
             None => None,
             Some(Logits::All) => Some(self.lm_head.forward(&h)?),
             Some(Logits::Last) => Some(self.lm_head.forward(&h.narrow(0, q - 1, 1)?)?),
+        })
+    }
+
+    /// `x` `(..., d_model)` RMS-normalised and scaled by `w` in this model's numerics.
+    fn norm(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
+        let eps = self.cfg.rms_eps as f32;
+        Ok(match self.numerics {
+            Numerics::Ggml => ggml::rms_norm(x, w, eps)?,
+            Numerics::Reference | Numerics::Fast => candle_nn::ops::rms_norm(x, w, eps)?,
         })
     }
 
@@ -435,7 +449,7 @@ impl Model {
     ) -> Result<Tensor> {
         let cfg = &self.cfg;
         let (q_len, nh, nkv, dh) = (x.dim(0)?, cfg.n_heads, cfg.n_kv_heads, cfg.d_head);
-        let h = candle_nn::ops::rms_norm(x, &block.attn_norm, cfg.rms_eps as f32)?;
+        let h = self.norm(x, &block.attn_norm)?;
         let rope = &self.ropes[layer];
         // (q_len, n * d_head) -> (1, n, q_len, d_head)
         let heads = |t: Tensor, n: usize| -> Result<Tensor> {
@@ -444,9 +458,8 @@ impl Model {
         let qkv = block.qkv.forward(&h)?;
         let (mut qh, mut kh) = (heads(qkv[0].clone(), nh)?, heads(qkv[1].clone(), nkv)?);
         if let Some((qn, kn)) = &block.qk_norm {
-            let eps = cfg.rms_eps as f32;
-            qh = candle_nn::ops::rms_norm(&qh.contiguous()?, qn, eps)?;
-            kh = candle_nn::ops::rms_norm(&kh.contiguous()?, kn, eps)?;
+            qh = self.norm(&qh.contiguous()?, qn)?;
+            kh = self.norm(&kh.contiguous()?, kn)?;
         }
         let qh = edits.replace_queries(layer, qh)?;
         let wants = observer.wants();
@@ -523,7 +536,13 @@ impl Model {
                         attention::batched(&qh, &keys, &values, mask.as_ref(), causal)?;
                     observe(observer, &probs)?;
                 }
-                attention::streaming(&qh, &keys, &values, start - key_start, mask.as_ref())?
+                let (offset, mask) = (start - key_start, mask.as_ref());
+                match self.numerics {
+                    Numerics::Ggml => {
+                        attention::ggml_plain(&qh, &keys, &values, offset, key_start, mask)?
+                    }
+                    _ => attention::streaming(&qh, &keys, &values, offset, mask)?,
+                }
             }
         };
         self.project_heads(layer, block, out, observer, edits)
