@@ -28,8 +28,11 @@ const CACHE_BUILDS: &[&str] = &[
 /// How llama.cpp runs attention.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Attention {
-    /// Plain (not flash) attention over an f32 KV cache: the arithmetic of the
-    /// instrumented model's f32 attention, so the comparison is about the model.
+    /// Plain (not flash) attention over an f32 KV cache, a full-size sliding-window cache
+    /// (so that cache cells are positions, as the instrumented model's lanes assume),
+    /// weights not repacked and no tiled K-quant matmul (`GGML_CPU_TILED_MM=0`): every
+    /// operation in the kernels that the instrumented model's `ggml` numerics reproduce
+    /// bit for bit.
     F32,
     /// llama.cpp's defaults: an f16 KV cache and flash attention where available.
     Default,
@@ -38,9 +41,27 @@ pub enum Attention {
 impl Attention {
     fn flags(self) -> &'static [&'static str] {
         match self {
-            Attention::F32 => &["-fa", "off", "-ctk", "f32", "-ctv", "f32"],
+            Attention::F32 => &[
+                "-fa",
+                "off",
+                "-ctk",
+                "f32",
+                "-ctv",
+                "f32",
+                "--swa-full",
+                "--no-repack",
+            ],
             Attention::Default => &[],
         }
+    }
+
+    /// Environment of the child: whether ggml may take its tiled K-quant matmul.
+    fn env(self) -> [(&'static str, &'static str); 1] {
+        let tiled = match self {
+            Attention::F32 => "0",
+            Attention::Default => "1",
+        };
+        [("GGML_CPU_TILED_MM", tiled)]
     }
 }
 
@@ -144,6 +165,7 @@ impl LlamaCppBins {
             .args(["-c", &n_ctx.to_string(), "-b", &n_ctx.to_string()])
             .args(["--chunks", &chunks.to_string(), "-t", &threads.to_string()])
             .args(Attention::F32.flags())
+            .envs(Attention::F32.env())
             .output()
             .map_err(|e| err(format!("llama-perplexity: {e}")))?;
         let text = format!(
@@ -205,6 +227,7 @@ impl LlamaServer {
                 "1",
             ])
             .args(attention.flags())
+            .envs(attention.env())
             .stdout(Stdio::null())
             .stderr(log_file)
             .spawn()

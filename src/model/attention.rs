@@ -715,7 +715,7 @@ pub(crate) fn ggml_plain(
                 })
                 .collect();
             ggml::softmax_in_place(&mut p, key_start);
-            ggml::weighted_rows(&p, key_start, |j| rows.value(kvh, j), slot);
+            ggml::weighted_rows(&p, key_start, q_len, |j| rows.value(kvh, j), slot);
         });
     })
 }

@@ -1,15 +1,15 @@
 //! llama.cpp's CPU arithmetic (ggml, x86 with AVX-512), so that
 //! [`Numerics::Ggml`](crate::model::Numerics::Ggml) can follow llama.cpp token for token.
-//! Each piece was checked against tensors dumped from `llama-perplexity`'s library
-//! (0.3.36, `-fa off -ctk f32 -ctv f32`) on Gemma-3-270M: bit-identical unless noted.
+//! Each piece was checked against tensors dumped from llama.cpp's graph (0.3.36, run as
+//! the parity runner runs it: `-fa off -ctk f32 -ctv f32 --no-repack`,
+//! `GGML_CPU_TILED_MM=0`) on Gemma-3-270M: bit-identical.
 //!
-//! - **matmul inputs** ([`InputGrid`]): before a dot product with a quantized weight, ggml
-//!   quantizes the input row to the weight type's 8-bit companion format; the dot product
-//!   is then exact integer arithmetic on the codes. Rounding the input to the same codes
-//!   and multiplying by the dequantized weight in f32 gives the same value up to f32
-//!   summation order (the one place not bit-identical: ~1e-7 relative). (candle, and so
-//!   mistral.rs, scales its `Q8_K` codes by `max / 128` where ggml now uses `max / 127`:
-//!   a different grid, so different rounding in every K-quant matmul.)
+//! - **quantized matmuls**: [`crate::model::ggml_quant`] for `Q5_0`, `Q8_0`, `Q4_K` and
+//!   `Q6_K` weights. For other types the input is only rounded to the 8-bit grid ggml
+//!   quantizes it to ([`InputGrid`]) and multiplied by the dequantized weight in f32,
+//!   which is ggml's integer dot product up to summation order (~1e-7 relative). (candle,
+//!   and so mistral.rs, scales its `Q8_K` codes by `max / 128` where ggml now uses
+//!   `max / 127`: a different grid, so different rounding in every K-quant matmul.)
 //! - **GELU** ([`gelu`]): ggml rounds the input to f16 and looks the f16-rounded GELU up
 //!   in a 65,536-entry table.
 //! - **RMSNorm** ([`rms_norm`]): the sum of squares in f64, then `x * (1 / sqrt(mean +
@@ -19,8 +19,9 @@
 //!   vectorised `exp` ([`expf`]) and its softmax sums per 16 keys in f64.
 //!
 //! The 8-bit codes and the f16 table are relative errors of ~2^-8 and 2^-11 per element;
-//! the others are last-bit differences, which matter only because they flip some of the
-//! 8-bit roundings downstream, and each flip moves a logit by ~1e-3 to 1e-2.
+//! the rest are last-bit differences, which matter because each can flip an 8-bit
+//! rounding downstream, and on Gemma-3-270M one flip grows to hidden states ~3% apart
+//! within three layers.
 
 use std::sync::OnceLock;
 
@@ -28,6 +29,7 @@ use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Tensor};
 use half::f16;
 
+use crate::model::ggml_quant::Q8Blocks;
 use crate::{Error, Result};
 
 /// The grid ggml rounds a matmul's input `(rows, in)` to before its dot products with a
@@ -67,11 +69,11 @@ impl InputGrid {
 
     /// `x` `(rows, in)` f32 rounded to this grid and back to f32 (same shape).
     pub fn round_trip(self, x: &Tensor) -> Result<Tensor> {
-        let (block, round): (usize, fn(&mut [f32])) = match self {
+        let (block, quantize): (usize, fn(&[f32]) -> Q8Blocks) = match self {
             Self::F32 => return Ok(x.clone()),
             Self::F16 => return Ok(x.to_dtype(DType::F16)?.to_dtype(DType::F32)?),
-            Self::Q8_0 => (32, q8_0),
-            Self::Q8K => (256, q8_k),
+            Self::Q8_0 => (32, Q8Blocks::q8_0),
+            Self::Q8K => (256, Q8Blocks::q8_k),
         };
         let width = x.dim(x.rank() - 1)?;
         if width % block != 0 {
@@ -80,38 +82,12 @@ impl InputGrid {
                 format!("width {width} is not a multiple of {self:?}'s block of {block}"),
             ));
         }
-        let mut values: Vec<f32> = x.flatten_all()?.to_vec1()?;
-        values.chunks_mut(block).for_each(round);
-        Ok(Tensor::from_vec(values, x.shape(), x.device())?)
-    }
-}
-
-/// One `Q8_0` block rounded in place, as ggml's x86 `quantize_row_q8_0` does.
-fn q8_0(block: &mut [f32]) {
-    let amax = block.iter().fold(0f32, |m, v| m.max(v.abs()));
-    let scale = f16::from_f32(amax / 127.0).to_f32();
-    let inv = if amax != 0.0 { 127.0 / amax } else { 0.0 };
-    for v in block {
-        *v = scale * (*v * inv).round_ties_even();
-    }
-}
-
-/// One `Q8_K` block rounded in place, as ggml's `quantize_row_q8_K` does.
-fn q8_k(block: &mut [f32]) {
-    let (mut amax, mut max) = (0f32, 0f32);
-    for &v in block.iter() {
-        if v.abs() > amax {
-            (amax, max) = (v.abs(), v);
-        }
-    }
-    if amax == 0.0 {
-        block.fill(0.0);
-        return;
-    }
-    let inv = -127.0 / max;
-    let scale = 1.0 / inv;
-    for v in block {
-        *v = scale * (*v * inv).round_ties_even().min(127.0);
+        let values: Vec<f32> = x.flatten_all()?.to_vec1()?;
+        let rounded: Vec<f32> = values
+            .chunks(width)
+            .flat_map(|row| quantize(row).dequantize())
+            .collect();
+        Ok(Tensor::from_vec(rounded, x.shape(), x.device())?)
     }
 }
 
@@ -222,26 +198,39 @@ pub fn dot(x: &[f32], y: &[f32]) -> f32 {
     (f64::from(reduce16(&a0)) + tail) as f32
 }
 
-/// `out[d] = sum_j p[j] row(j)[d]` (the attention output `p . v`) in the order of ggml's
-/// tinyBLAS f32 kernel: per `d`, one 16-lane fused multiply-add accumulator, term `j` in
-/// lane `(first + j) % 16`, then [`reduce16`]. `first` is the position of term 0, so that
-/// lanes line up with a sum that starts at position 0 (the terms before `first` being
-/// zero, as masked keys are).
+/// `out[d] = sum_j p[j] row(j)[d]` (the attention output `p . v`) as ggml sums it for a
+/// batch of `queries` rows. From two queries on it is tinyBLAS's f32 kernel: per `d`, one
+/// 16-lane fused multiply-add accumulator, term `j` in lane `(first + j) % 16`, then
+/// [`reduce16`]. For a single query (a decode step) tinyBLAS stands aside and it is
+/// [`dot`]'s order: four 16-lane accumulators, term `j` in accumulator
+/// `((first + j) % 64) / 16`. `first` is the position of term 0, so that lanes line up
+/// with a sum that starts at position 0 (the terms before `first` being zero, as masked
+/// keys are, and llama.cpp's cache being a multiple of 64 cells, so that no tail is left).
 pub fn weighted_rows<'a>(
     p: &[f32],
     first: usize,
+    queries: usize,
     row: impl Fn(usize) -> &'a [f32],
     out: &mut [f32],
 ) {
-    let mut lanes = vec![[0f32; LANES]; out.len()];
+    let accumulators = if queries == 1 { 4 } else { 1 };
+    let mut lanes = vec![[[0f32; LANES]; 4]; out.len()];
     for (j, &pj) in p.iter().enumerate() {
-        let lane = (first + j) % LANES;
+        let at = first + j;
+        let (a, l) = ((at % (accumulators * LANES)) / LANES, at % LANES);
         for (acc, v) in lanes.iter_mut().zip(row(j)) {
-            acc[lane] = v.mul_add(pj, acc[lane]);
+            acc[a][l] = v.mul_add(pj, acc[a][l]);
         }
     }
-    for (o, acc) in out.iter_mut().zip(&lanes) {
-        *o = reduce16(acc);
+    for (o, [mut a0, mut a1, a2, a3]) in out.iter_mut().zip(lanes) {
+        for l in 0..LANES {
+            a0[l] += a2[l];
+            a1[l] += a3[l];
+        }
+        for l in 0..LANES {
+            a0[l] += a1[l];
+        }
+        *o = reduce16(&a0);
     }
 }
 
@@ -348,12 +337,14 @@ mod tests {
             let want: f64 = x.iter().zip(&y).map(|(a, b)| *a as f64 * *b as f64).sum();
             assert!((dot(&x, &y) as f64 - want).abs() < 1e-5 * n as f64, "n {n}");
         }
-        let (p, rows) = (pseudo(37, 3), pseudo(37 * 8, 4));
-        let mut out = [0f32; 8];
-        weighted_rows(&p, 5, |j| &rows[j * 8..(j + 1) * 8], &mut out);
-        for (d, o) in out.iter().enumerate() {
-            let want: f64 = (0..37).map(|j| p[j] as f64 * rows[j * 8 + d] as f64).sum();
-            assert!((*o as f64 - want).abs() < 1e-4, "{d}: {o} vs {want}");
+        let (p, rows) = (pseudo(137, 3), pseudo(137 * 8, 4));
+        for queries in [1, 2] {
+            let mut out = [0f32; 8];
+            weighted_rows(&p, 5, queries, |j| &rows[j * 8..(j + 1) * 8], &mut out);
+            for (d, o) in out.iter().enumerate() {
+                let want: f64 = (0..137).map(|j| p[j] as f64 * rows[j * 8 + d] as f64).sum();
+                assert!((*o as f64 - want).abs() < 1e-4, "{d}: {o} vs {want}");
+            }
         }
     }
 

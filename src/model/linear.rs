@@ -12,6 +12,7 @@ use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
 
 use crate::model::ggml::InputGrid;
+use crate::model::ggml_quant::QuantMatrix;
 use crate::model::q8::{Q41Matrix, Q8Matrix};
 
 use crate::Result;
@@ -68,8 +69,12 @@ enum RowPath {
     Q8(Q8Matrix),
     /// headwise's kernel over the file's own Q4_1 blocks.
     Q41(Q41Matrix),
-    /// [`Numerics::Ggml`], for any number of rows: the input rounded to the grid of the
-    /// weight's type, times the f32 `weight` `(out, in)`.
+    /// [`Numerics::Ggml`], for any number of rows: ggml's own quantized product, and the
+    /// f32 `weight` `(out, in)` for readers of the weight.
+    GgmlExact { matrix: QuantMatrix, weight: Tensor },
+    /// [`Numerics::Ggml`] for weight types without an exact kernel, any number of rows:
+    /// the input rounded to the grid of the weight's type, times the f32 `weight`
+    /// `(out, in)` (ggml's product up to summation order).
     Ggml { grid: InputGrid, weight: Tensor },
 }
 
@@ -119,14 +124,27 @@ impl Linear {
                 let exact = weight.dtype() == GgmlDType::F32;
                 Self::fast(dense, !exact, || QMatMul::from_qtensor(weight))
             }
-            Numerics::Ggml => Ok(Self {
-                rows: RowPath::Ggml {
-                    grid: InputGrid::for_weight(weight.dtype())?,
-                    weight: weight.dequantize(&Device::Cpu)?,
-                },
-                dense: None,
-            }),
+            Numerics::Ggml => {
+                let dense = weight.dequantize(&Device::Cpu)?;
+                Self::ggml(&weight, dense)
+            }
         }
+    }
+
+    /// A [`Numerics::Ggml`] layer: ggml's exact product where [`QuantMatrix`] has the
+    /// weight's type, else its input grid times the f32 weight `dense` `(out, in)`.
+    fn ggml(weight: &QTensor, dense: Tensor) -> Result<Self> {
+        let rows = match QuantMatrix::from_qtensor(weight)? {
+            Some(matrix) => RowPath::GgmlExact {
+                matrix,
+                weight: dense,
+            },
+            None => RowPath::Ggml {
+                grid: InputGrid::for_weight(weight.dtype())?,
+                weight: dense,
+            },
+        };
+        Ok(Self { rows, dense: None })
     }
 
     /// A [`Numerics::Fast`] layer from an f32 weight `(out, in)`. Single rows go through
@@ -162,13 +180,7 @@ impl Linear {
                 let exact = weight.dtype() == GgmlDType::F32;
                 Self::fast(dense.clone(), !exact, || QMatMul::from_qtensor(weight))
             }
-            Numerics::Ggml => Ok(Self {
-                rows: RowPath::Ggml {
-                    grid: InputGrid::for_weight(weight.dtype())?,
-                    weight: dense.clone(),
-                },
-                dense: None,
-            }),
+            Numerics::Ggml => Self::ggml(&weight, dense.clone()),
         }
     }
 
@@ -180,6 +192,7 @@ impl Linear {
             (_, RowPath::Candle(q)) => Ok(q.forward(x)?),
             (_, RowPath::Q8(m)) => per_row(x, m.rows(), |v| m.gemv(v)),
             (_, RowPath::Q41(m)) => per_row(x, m.rows(), |v| m.gemv(v)),
+            (_, RowPath::GgmlExact { matrix, .. }) => matrix.forward(x),
             (_, RowPath::Ggml { grid, weight }) => Ok(grid.round_trip(x)?.matmul(&weight.t()?)?),
         }
     }
@@ -192,7 +205,9 @@ impl Linear {
             (None, RowPath::Candle(QMatMul::Tensor(t) | QMatMul::TensorF16(t))) => {
                 Ok(t.to_dtype(candle_core::DType::F32)?)
             }
-            (None, RowPath::Ggml { weight, .. }) => Ok(weight.clone()),
+            (None, RowPath::Ggml { weight, .. } | RowPath::GgmlExact { weight, .. }) => {
+                Ok(weight.clone())
+            }
             (None, RowPath::Q8(_) | RowPath::Q41(_)) => Err(crate::Error::invalid(
                 "weight",
                 "an 8-bit decode weight without its f32 copy",

@@ -8,6 +8,7 @@ mod fast_exp;
 pub mod fetch;
 pub mod generate;
 pub mod ggml;
+pub mod ggml_quant;
 pub mod gguf;
 pub mod head_cache;
 pub mod intervene;

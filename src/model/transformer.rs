@@ -29,6 +29,11 @@ pub enum Logits {
 /// Default prefill chunk: bounds the attention scores to `n_heads x 256 x kv_len`.
 pub const DEFAULT_CHUNK: usize = 256;
 
+/// llama.cpp's default micro-batch. [`Numerics::Ggml`] prefills in chunks of this size,
+/// because ggml picks some kernels by the number of rows in a batch (one row: a decode
+/// step's kernels).
+const LLAMA_CPP_UBATCH: usize = 512;
+
 #[derive(Debug, Clone)]
 struct Block {
     /// `(d_model,)`.
@@ -224,7 +229,10 @@ impl Model {
             final_norm,
             lm_head,
             ropes,
-            chunk: DEFAULT_CHUNK,
+            chunk: match numerics {
+                Numerics::Ggml => LLAMA_CPP_UBATCH,
+                Numerics::Reference | Numerics::Fast => DEFAULT_CHUNK,
+            },
         })
     }
 

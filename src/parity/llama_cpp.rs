@@ -5,10 +5,11 @@
 //! of llama.cpp's own tokenizer, so the comparison is about the model; whether headwise's
 //! tokenizer gives the same ids is reported beside it.
 //!
-//! llama.cpp runs with plain f32 attention ([`Attention::F32`]), the arithmetic of the
-//! instrumented model. To show how much of a greedy divergence is the model's own
-//! sensitivity, the continuations of llama.cpp with its default attention (f16 cache,
-//! flash attention) are compared too: with the f32 run and with the instrumented model.
+//! llama.cpp runs with its parity settings ([`Attention::F32`]: plain f32 attention, cache
+//! cells that are positions, kernels the instrumented model's `ggml` numerics reproduce
+//! bit for bit). To show how sensitive greedy continuations are to arithmetic alone,
+//! llama.cpp with its defaults (f16 cache, flash attention, repacked weights) is compared
+//! too: with the parity run and with the instrumented model.
 
 use std::path::Path;
 
