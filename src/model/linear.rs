@@ -23,8 +23,9 @@ use crate::Result;
 pub enum Numerics {
     /// The file's quantized weights through `QMatMul`, as mistral.rs computes.
     Reference,
-    /// llama.cpp's CPU arithmetic: matmul inputs rounded to ggml's 8-bit grids, GELU
-    /// through its f16 table ([`crate::model::ggml`]), f32 attention.
+    /// llama.cpp's CPU arithmetic, bit for bit ([`crate::model::ggml`],
+    /// [`crate::model::ggml_quant`]): quantized matmuls on the weights' own codes in
+    /// ggml's order, its norms, RoPE, GELU table and plain f32 attention.
     Ggml,
     /// Dequantized f32 for batched rows, Q8_0 for single rows.
     #[default]
