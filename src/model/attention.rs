@@ -574,6 +574,11 @@ impl Rows<'_> {
         &data[b..b + self.shapes.dh]
     }
 
+    /// The KV head that query row `i = head * q_len + t` reads.
+    fn kv_head(&self, i: usize) -> usize {
+        i / self.shapes.q_len / self.shapes.group
+    }
+
     /// Key `j` of KV head `kvh`.
     fn key(&self, kvh: usize, j: usize) -> &[f32] {
         self.at(self.k, kvh, j)
@@ -638,15 +643,10 @@ pub(crate) fn streaming(
 ) -> Result<Tensor> {
     per_row(q, keys, values, start, mask, |rows, out| {
         let Shapes {
-            q_len,
-            dh,
-            kv_len,
-            group,
-            scale,
-            ..
+            q_len, dh, kv_len, ..
         } = *rows.shapes;
         for (i, slot) in out.chunks_mut(dh).enumerate() {
-            let (kvh, qrow) = (i / q_len / group, rows.query(i));
+            let (kvh, qrow, scale) = (rows.kv_head(i), rows.query(i), rows.shapes.scale);
             let visit = |st: &mut Online, j: usize| {
                 let b = rows.bias(i, j);
                 if b == f32::NEG_INFINITY {
@@ -699,15 +699,10 @@ pub(crate) fn ggml_plain(
 ) -> Result<Tensor> {
     per_row(q, keys, values, start, mask, |rows, out| {
         let Shapes {
-            q_len,
-            dh,
-            kv_len,
-            group,
-            scale,
-            ..
+            q_len, dh, kv_len, ..
         } = *rows.shapes;
         out.par_chunks_mut(dh).enumerate().for_each(|(i, slot)| {
-            let (kvh, qrow) = (i / q_len / group, rows.query(i));
+            let (kvh, qrow, scale) = (rows.kv_head(i), rows.query(i), rows.shapes.scale);
             let mut p: Vec<f32> = (0..kv_len)
                 .map(|j| match rows.bias(i, j) {
                     f32::NEG_INFINITY => f32::NEG_INFINITY,

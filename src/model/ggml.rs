@@ -292,7 +292,7 @@ pub fn softmax_in_place(scores: &mut [f32], first: usize) {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use candle_core::quantized::QTensor;
     use candle_core::Device;
@@ -302,7 +302,8 @@ mod tests {
         a.to_bits().abs_diff(b.to_bits())
     }
 
-    fn pseudo(n: usize, seed: u32) -> Vec<f32> {
+    /// A deterministic wavy vector for tests.
+    pub(crate) fn pseudo(n: usize, seed: u32) -> Vec<f32> {
         (0..n)
             .map(|i| ((i as f32 + 1.0) * (seed as f32 + 0.37) * 12.9898).sin() * 3.0)
             .collect()

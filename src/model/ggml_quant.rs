@@ -379,12 +379,7 @@ fn dot_q6_k(d: &[f32], scales: &[i32], q: &[i32], x: &Q8Blocks) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn pseudo(n: usize, seed: u32) -> Vec<f32> {
-        (0..n)
-            .map(|i| ((i as f32 + 1.0) * (seed as f32 + 0.37) * 12.9898).sin() * 2.0)
-            .collect()
-    }
+    use crate::model::ggml::tests::pseudo;
 
     #[test]
     fn hsum8_pairs_lanes_four_apart() {
