@@ -35,7 +35,7 @@ const QK: usize = 256;
 
 /// The eight float lanes of an AVX register summed as ggml's `hsum_float_8`: lane `i`
 /// plus lane `i + 4`, then `(0 + 2) + (1 + 3)`.
-pub fn hsum8(l: &[f32; 8]) -> f32 {
+fn hsum8(l: &[f32; 8]) -> f32 {
     let s: [f32; 4] = std::array::from_fn(|i| l[i] + l[i + 4]);
     (s[0] + s[2]) + (s[1] + s[3])
 }
@@ -175,56 +175,51 @@ impl QuantMatrix {
         let input: Vec<f32> = x.flatten_all()?.to_vec1()?;
         let mut y = vec![0f32; n * self.rows];
         for (row, out) in input.chunks(self.cols).zip(y.chunks_mut(self.rows)) {
-            match &self.blocks {
-                Blocks::Q0 { d, q } => {
-                    let act = Q8Blocks::q8_0(row);
-                    let per_row = self.cols / QK0;
-                    out.par_iter_mut().enumerate().for_each(|(o, y)| {
-                        let at = o * per_row;
-                        *y = dot_q0(
-                            &d[at..at + per_row],
-                            &q[at * QK0..(at + per_row) * QK0],
-                            &act,
-                        );
-                    });
-                }
-                Blocks::Q4K {
-                    d,
-                    dmin,
-                    scales,
-                    mins,
-                    q,
-                } => {
-                    let act = Q8Blocks::q8_k(row);
-                    let per_row = self.cols / QK;
-                    out.par_iter_mut().enumerate().for_each(|(o, y)| {
-                        let (b0, b1) = (o * per_row, (o + 1) * per_row);
-                        let w = Q4KRow {
-                            d: &d[b0..b1],
-                            dmin: &dmin[b0..b1],
-                            scales: &scales[8 * b0..8 * b1],
-                            mins: &mins[8 * b0..8 * b1],
-                            q: &q[QK * b0..QK * b1],
-                        };
-                        *y = dot_q4_k(&w, &act);
-                    });
-                }
-                Blocks::Q6K { d, scales, q } => {
-                    let act = Q8Blocks::q8_k(row);
-                    let per_row = self.cols / QK;
-                    out.par_iter_mut().enumerate().for_each(|(o, y)| {
-                        let (b0, b1) = (o * per_row, (o + 1) * per_row);
-                        *y = dot_q6_k(
-                            &d[b0..b1],
-                            &scales[16 * b0..16 * b1],
-                            &q[QK * b0..QK * b1],
-                            &act,
-                        );
-                    });
-                }
-            }
+            let act = match self.blocks {
+                Blocks::Q0 { .. } => Q8Blocks::q8_0(row),
+                Blocks::Q4K { .. } | Blocks::Q6K { .. } => Q8Blocks::q8_k(row),
+            };
+            out.par_iter_mut()
+                .enumerate()
+                .for_each(|(o, y)| *y = self.dot_row(o, &act));
         }
         Ok(Tensor::from_vec(y, (n, self.rows), &Device::Cpu)?)
+    }
+
+    /// Output `o`: weight row `o` times the quantized input row `act`.
+    fn dot_row(&self, o: usize, act: &Q8Blocks) -> f32 {
+        match &self.blocks {
+            Blocks::Q0 { d, q } => {
+                let (b0, b1) = (o * self.cols / QK0, (o + 1) * self.cols / QK0);
+                dot_q0(&d[b0..b1], &q[QK0 * b0..QK0 * b1], act)
+            }
+            Blocks::Q4K {
+                d,
+                dmin,
+                scales,
+                mins,
+                q,
+            } => {
+                let (b0, b1) = (o * self.cols / QK, (o + 1) * self.cols / QK);
+                let w = Q4KRow {
+                    d: &d[b0..b1],
+                    dmin: &dmin[b0..b1],
+                    scales: &scales[8 * b0..8 * b1],
+                    mins: &mins[8 * b0..8 * b1],
+                    q: &q[QK * b0..QK * b1],
+                };
+                dot_q4_k(&w, act)
+            }
+            Blocks::Q6K { d, scales, q } => {
+                let (b0, b1) = (o * self.cols / QK, (o + 1) * self.cols / QK);
+                dot_q6_k(
+                    &d[b0..b1],
+                    &scales[16 * b0..16 * b1],
+                    &q[QK * b0..QK * b1],
+                    act,
+                )
+            }
+        }
     }
 }
 
