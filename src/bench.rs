@@ -1,8 +1,17 @@
-//! Pieces of `headwise bench`: deterministic prompt text, peak-memory readings and the
-//! record one measurement produces. Each measurement runs in a fresh process so that the
+//! Pieces of `headwise bench`: deterministic prompt text, peak-memory readings, the
+//! record one measurement produces, and the result folders the benches write
+//! (`eval/results/<model>/bench*/`: `summary.json` and a README with the table, the
+//! machine and the command). Each engine measurement runs in a fresh process so that the
 //! peak resident memory belongs to one engine alone.
 
+use std::path::Path;
+
 use serde::{Deserialize, Serialize};
+
+use crate::model::ModelId;
+use crate::provenance::{machine, Made};
+use crate::results::{recorder, write_experiment, ResultRecord};
+use crate::Result;
 
 /// One engine at one prompt length, measured in its own process.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -19,6 +28,129 @@ pub struct BenchRecord {
     pub decode_tok_s: f64,
     /// Peak resident set of the process (bytes), from `VmHWM`.
     pub peak_rss_bytes: Option<u64>,
+}
+
+/// The Markdown table of engine measurements, then the instrumented engine's speed and
+/// memory relative to each other engine at each prompt length.
+pub fn table(records: &[BenchRecord]) -> String {
+    let mib = |b: Option<u64>| {
+        b.map_or("?".to_string(), |b| {
+            format!("{:.0}", b as f64 / (1 << 20) as f64)
+        })
+    };
+    let mut md = String::from(
+        "| engine | prompt tokens | prefill tok/s | decode tok/s | peak RSS MiB |\n\
+         | --- | ---: | ---: | ---: | ---: |\n",
+    );
+    for r in records {
+        md.push_str(&format!(
+            "| {} | {} | {:.1} | {:.1} | {} |\n",
+            r.engine,
+            r.prompt_tokens,
+            r.prefill_tok_s,
+            r.decode_tok_s,
+            mib(r.peak_rss_bytes)
+        ));
+    }
+    for (n, a, b) in comparisons(records) {
+        let memory = match (a.peak_rss_bytes, b.peak_rss_bytes) {
+            (Some(x), Some(y)) => format!(", peak memory {:.2}x", x as f64 / y as f64),
+            _ => String::new(),
+        };
+        md.push_str(&format!(
+            "\nat {n} tokens, instrumented / {}: prefill {:.2}x, decode {:.2}x{memory}\n",
+            b.engine,
+            a.prefill_tok_s / b.prefill_tok_s,
+            a.decode_tok_s / b.decode_tok_s,
+        ));
+    }
+    md
+}
+
+/// Per prompt length (ascending): the instrumented engine's record and each other
+/// engine's at that length.
+fn comparisons(records: &[BenchRecord]) -> Vec<(usize, &BenchRecord, &BenchRecord)> {
+    let mut lengths: Vec<usize> = records.iter().map(|r| r.prompt_tokens).collect();
+    lengths.sort_unstable();
+    lengths.dedup();
+    let at = |n: usize| records.iter().filter(move |r| r.prompt_tokens == n);
+    lengths
+        .into_iter()
+        .flat_map(|n| {
+            let ours = at(n).find(|r| r.engine == "instrumented");
+            ours.into_iter().flat_map(move |a| {
+                at(n)
+                    .filter(|b| b.engine != "instrumented")
+                    .map(move |b| (n, a, b))
+            })
+        })
+        .collect()
+}
+
+/// The records of engine measurements (experiment `bench`, task: the engine):
+/// `prefill_tok_s`, `decode_tok_s` and `peak_rss_bytes` each, and per other engine (task
+/// `instrumented-vs-<engine>`) `prefill_ratio`, `decode_ratio` and `peak_rss_ratio` of
+/// the instrumented engine over it.
+pub fn speed_records(model: &ModelId, records: &[BenchRecord], made: &Made) -> Vec<ResultRecord> {
+    let record = recorder("bench", model, None, made);
+    let rec = |task: &str, tokens: usize, metric: &str, value: f64| {
+        record(task, Some(tokens), metric, value, 1)
+    };
+    let mut out = Vec::new();
+    for r in records {
+        out.push(rec(
+            &r.engine,
+            r.prompt_tokens,
+            "prefill_tok_s",
+            r.prefill_tok_s,
+        ));
+        out.push(rec(
+            &r.engine,
+            r.prompt_tokens,
+            "decode_tok_s",
+            r.decode_tok_s,
+        ));
+        if let Some(b) = r.peak_rss_bytes {
+            out.push(rec(&r.engine, r.prompt_tokens, "peak_rss_bytes", b as f64));
+        }
+    }
+    for (n, a, b) in comparisons(records) {
+        let task = format!("instrumented-vs-{}", b.engine);
+        out.push(rec(
+            &task,
+            n,
+            "prefill_ratio",
+            a.prefill_tok_s / b.prefill_tok_s,
+        ));
+        out.push(rec(
+            &task,
+            n,
+            "decode_ratio",
+            a.decode_tok_s / b.decode_tok_s,
+        ));
+        if let (Some(x), Some(y)) = (a.peak_rss_bytes, b.peak_rss_bytes) {
+            out.push(rec(&task, n, "peak_rss_ratio", x as f64 / y as f64));
+        }
+    }
+    out
+}
+
+/// Write a bench's result folder: `summary.json` (`records`) and a README with `title`,
+/// `body` (its table or line), the command and the machine.
+pub fn write_report(
+    dir: &Path,
+    title: &str,
+    body: &str,
+    records: &[ResultRecord],
+    made: &Made,
+) -> Result<()> {
+    let readme = format!(
+        "# {title}\n\n{}\n\nCommand: `{}`\n\nMachine: {}.\n",
+        body.trim_end(),
+        made.command,
+        machine()
+    );
+    write_experiment(dir, &readme, records, made)
 }
 
 /// Deterministic filler: `n` numbered notes of ~17 tokens each, with an optional needle
@@ -71,6 +203,46 @@ mod tests {
         assert_eq!(a, synthetic_notes(60, Some(50)));
         assert_eq!(a.matches("4817").count(), 1);
         assert_eq!(a.lines().count(), 61);
+    }
+
+    fn measured(engine: &str, prompt_tokens: usize, speed: f64) -> BenchRecord {
+        BenchRecord {
+            engine: engine.into(),
+            prompt_tokens,
+            decode_tokens: 8,
+            prefill_tok_s: 10.0 * speed,
+            decode_tok_s: speed,
+            peak_rss_bytes: Some(1 << 20),
+        }
+    }
+
+    #[test]
+    fn speed_records_hold_every_measurement_and_the_ratios_at_each_length() {
+        let id = ModelId {
+            name: "m".into(),
+            sha256: "00".into(),
+        };
+        let measured = [
+            measured("instrumented", 512, 4.0),
+            measured("mistralrs", 512, 2.0),
+            measured("instrumented", 64, 1.0),
+        ];
+        let out = speed_records(&id, &measured, &Made::now("fast"));
+        // 3 measurements x 3 metrics, one comparison x 3 ratios
+        assert_eq!(out.len(), 12);
+        let ratio = out
+            .iter()
+            .find(|r| r.metric == "decode_ratio")
+            .expect("a ratio");
+        assert_eq!(ratio.task.as_deref(), Some("instrumented-vs-mistralrs"));
+        assert_eq!((ratio.context_tokens, ratio.value), (Some(512), 2.0));
+        assert!(out.iter().all(|r| r.made.numerics == "fast"));
+        let md = table(&measured);
+        assert!(md.contains("| mistralrs | 512 | 20.0 | 2.0 | 1 |"), "{md}");
+        assert!(
+            md.contains("instrumented / mistralrs: prefill 2.00x, decode 2.00x, peak memory 1.00x"),
+            "{md}"
+        );
     }
 
     #[test]

@@ -17,10 +17,13 @@ pub mod perplexity;
 mod plot;
 pub mod policy;
 pub mod probe;
+pub mod provenance;
 pub mod rag;
 pub mod results;
 mod rng;
 pub mod serve;
 pub mod tasks;
+#[cfg(test)]
+mod test_support;
 
 pub use error::{Error, Result};

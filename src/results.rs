@@ -1,11 +1,14 @@
 //! Result files in the project's shared format (one flat JSON record per measured
 //! number, `summary.json`, next to a human-readable `README.md`), written atomically.
+//! Each record carries its provenance ([`Made`]) beside the model's identity.
 
 use std::io::Write;
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
+use crate::model::ModelId;
+use crate::provenance::Made;
 use crate::{Error, Result};
 
 /// Version of the record layout below.
@@ -28,6 +31,36 @@ pub struct ResultRecord {
     pub metric: String,
     pub value: f64,
     pub n: usize,
+    /// Numerics, build, command line and date of the run that measured it.
+    #[serde(flatten)]
+    pub made: Made,
+}
+
+/// Makes the records of `experiment` on `model` that share `selection`, policy `full`
+/// and `made`: from task, context tokens, metric, value and `n`.
+pub fn recorder<'a>(
+    experiment: &'a str,
+    model: &'a ModelId,
+    selection: Option<&'a str>,
+    made: &'a Made,
+) -> impl Fn(&str, Option<usize>, &str, f64, usize) -> ResultRecord + 'a {
+    move |task, context_tokens, metric, value, n| ResultRecord {
+        schema_version: SCHEMA_VERSION,
+        experiment: experiment.to_string(),
+        model: model.name.clone(),
+        model_sha256: model.sha256.clone(),
+        task: Some(task.to_string()),
+        context_tokens,
+        selection: selection.map(str::to_string),
+        k: None,
+        seed: None,
+        mode: None,
+        policy: Some("full".into()),
+        metric: metric.to_string(),
+        value,
+        n,
+        made: made.clone(),
+    }
 }
 
 /// Write `bytes` to `path` through a temporary file in the same folder and a rename, so
@@ -52,11 +85,18 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     })
 }
 
-/// Write an experiment folder: `README.md` and `summary.json`.
-pub fn write_experiment(dir: &Path, readme: &str, records: &[ResultRecord]) -> Result<()> {
+/// Write an experiment folder: `summary.json` and `README.md`, the README closed by a
+/// line naming `made` (the provenance of the run behind the records).
+pub fn write_experiment(
+    dir: &Path,
+    readme: &str,
+    records: &[ResultRecord],
+    made: &Made,
+) -> Result<()> {
     let json = serde_json::to_string_pretty(records)
         .map_err(|e| Error::invalid("results", e.to_string()))?;
     write_atomic(&dir.join("summary.json"), json.as_bytes())?;
+    let readme = format!("{}\n\n{}\n", readme.trim_end(), made.markdown());
     write_atomic(&dir.join("README.md"), readme.as_bytes())
 }
 
@@ -80,6 +120,32 @@ mod tests {
     }
 
     #[test]
+    fn a_recorder_fills_the_shared_fields_of_its_experiment() {
+        let (id, made) = (
+            ModelId {
+                name: "m".into(),
+                sha256: "00".into(),
+            },
+            Made::now("ggml"),
+        );
+        let record = recorder("parity", &id, Some("none"), &made);
+        let r = record("parity-all", None, "greedy_identical", 8.0, 8);
+        assert_eq!(
+            (
+                r.experiment.as_str(),
+                r.selection.as_deref(),
+                r.policy.as_deref()
+            ),
+            ("parity", Some("none"), Some("full"))
+        );
+        assert_eq!(
+            (r.task.as_deref(), r.context_tokens, r.n),
+            (Some("parity-all"), None, 8)
+        );
+        assert_eq!((r.model_sha256.as_str(), &r.made), ("00", &made));
+    }
+
+    #[test]
     fn records_write_null_for_fields_that_do_not_apply() {
         let r = ResultRecord {
             schema_version: SCHEMA_VERSION,
@@ -96,9 +162,12 @@ mod tests {
             metric: "top1_agreement".into(),
             value: 1.0,
             n: 5,
+            made: Made::now("reference"),
         };
         let json = serde_json::to_value(&r).unwrap();
         assert!(json["k"].is_null() && json["mode"].is_null());
+        assert_eq!(json["numerics"], "reference");
+        assert!(json["command"].as_str().unwrap().starts_with("headwise"));
         assert_eq!(serde_json::from_value::<ResultRecord>(json).unwrap(), r);
     }
 }

@@ -9,6 +9,7 @@ use headwise::eval::ablation::{AblationMode, Calibration, HeadSet};
 use headwise::model::{
     Interventions, KvCache, Logits, Model, ModelId, NoObserver, Numerics, Recorder, Wants,
 };
+use headwise::provenance::Made;
 
 const TOKENS: &[u32] = &[5, 17, 3, 56, 42, 42, 8, 60, 1, 33, 21];
 const CALIBRATION: &[&[u32]] = &[&[2, 9, 4, 57, 13], &[50, 51, 52, 8, 44]];
@@ -31,7 +32,7 @@ fn id() -> ModelId {
 
 fn calibration(model: &Model) -> Calibration {
     let prompts: Vec<Vec<u32>> = CALIBRATION.iter().map(|p| p.to_vec()).collect();
-    Calibration::compute(model, &id(), &prompts, "tiny").unwrap()
+    Calibration::compute(model, &id(), &prompts, "tiny", &Made::now("fast")).unwrap()
 }
 
 fn all_modes() -> [AblationMode; 4] {
@@ -178,7 +179,14 @@ fn mean_query_replaces_the_query_before_rope() {
     // change the logits on a longer prompt.
     let model = Weights::random(tiny_config(), 15).model(Numerics::Fast);
     let prompt = [7u32, 31];
-    let calib = Calibration::compute(&model, &id(), &[prompt.to_vec()], "pair").unwrap();
+    let calib = Calibration::compute(
+        &model,
+        &id(),
+        &[prompt.to_vec()],
+        "pair",
+        &Made::now("fast"),
+    )
+    .unwrap();
     let heads = HeadSet((0..model.config().n_heads).map(|h| (0, h)).collect());
     let edits = heads
         .interventions(AblationMode::MeanQuery, Some(&calib))

@@ -241,7 +241,7 @@ fn scoring_does_not_overwrite_a_ranking_of_another_model() {
             acceptance: Vec::new(),
             step_source: "greedy".into(),
             steps: 0,
-            command: String::new(),
+            made: headwise::provenance::Made::now("fast"),
         },
         &headwise::heads::HeadMatrix::zeros(30, 9),
         3,
@@ -405,7 +405,7 @@ fn synthetic_trace(tag: &str, prompts: usize, nan: bool) -> PathBuf {
         label_mean: 0.0,
         steps_with_active_head: prompts * 3,
         examples: (0..prompts).map(|p| format!("p{p}")).collect(),
-        command: "test".into(),
+        made: headwise::provenance::Made::now("fast"),
     };
     let stem = tmp(&format!("trace-{tag}"));
     t.save(&stem, &card).unwrap();

@@ -1,11 +1,12 @@
 //! The mistral.rs reference engine on the real model (SmolLM2-135M-Instruct, Q4_1 GGUF).
 //!
-//! The model is located through `HEADWISE_MODEL`, or
-//! `models/SmolLM2-135M-Instruct.Q4_1.gguf` under the crate root. All tests share one
+//! The model is `HEADWISE_MODEL`, or fetched into the models folder like every other
+//! real-model test (`common::real_model`). All tests share one
 //! loaded engine (loading takes seconds); the engine serializes requests itself.
 #![cfg(feature = "mistralrs")]
 
-use std::path::PathBuf;
+mod common;
+
 use std::sync::OnceLock;
 use std::time::Instant;
 
@@ -14,19 +15,10 @@ use headwise::engine::mistralrs::MistralRsEngine;
 /// SmolLM2's vocabulary size (GGUF `tokenizer.ggml.tokens`, and the output layer rows).
 const VOCAB: usize = 49152;
 
-fn model_path() -> PathBuf {
-    match std::env::var_os("HEADWISE_MODEL") {
-        Some(path) => PathBuf::from(path),
-        None => {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models/SmolLM2-135M-Instruct.Q4_1.gguf")
-        }
-    }
-}
-
 fn engine() -> &'static MistralRsEngine {
     static ENGINE: OnceLock<MistralRsEngine> = OnceLock::new();
     ENGINE.get_or_init(|| {
-        let path = model_path();
+        let path = common::real_model();
         let start = Instant::now();
         let engine = MistralRsEngine::load(&path)
             .unwrap_or_else(|e| panic!("loading {}: {e}", path.display()));

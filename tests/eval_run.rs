@@ -10,6 +10,7 @@ use headwise::eval::report::write_report;
 use headwise::eval::run::{read_all_records, RunOptions, Runner, Shard, BASELINE};
 use headwise::eval::spec::EvalSpec;
 use headwise::model::{LoadedModel, ModelId, Numerics};
+use headwise::provenance::Made;
 
 fn spec() -> EvalSpec {
     let ranking = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -54,12 +55,21 @@ fn scratch(tag: &str) -> PathBuf {
     dir
 }
 
+/// The provenance of every run here, one fixed date so that summaries of runs made at
+/// different times compare equal.
+fn made() -> Made {
+    Made {
+        date: "2026-12-01T00:00:00Z".into(),
+        ..Made::now(Numerics::Fast.name())
+    }
+}
+
 fn run(lm: &LoadedModel, id: &ModelId, dir: &Path, shard: Shard) -> usize {
     let opts = RunOptions {
         out_dir: dir.to_path_buf(),
         limit: None,
         shard,
-        command: "test".into(),
+        made: made(),
     };
     let runner = Runner::prepare(spec(), lm, id, opts).unwrap();
     runner.run(None).unwrap().generated
@@ -81,6 +91,10 @@ fn resumed_and_sharded_runs_summarise_like_an_uninterrupted_one() {
     assert!(generated >= 5, "at least the baselines: {generated}");
     let want = summary(&whole);
     assert!(want.contains("\"kept_fraction\""), "{want}");
+    let records: Vec<serde_json::Value> = serde_json::from_str(&want).unwrap();
+    assert!(records
+        .iter()
+        .all(|r| r["numerics"] == "fast" && r["command"] != ""));
 
     // Interrupt: keep two whole lines and half of the third, then resume.
     let cut = scratch("cut");
@@ -134,7 +148,7 @@ fn a_changed_spec_does_not_mix_into_an_old_run() {
         out_dir: dir.to_path_buf(),
         limit: None,
         shard: Shard::ALL,
-        command: "test".into(),
+        made: made(),
     };
     Runner::prepare(s.clone(), &lm, &id, opts(&dir))
         .unwrap()

@@ -8,6 +8,7 @@ use std::path::PathBuf;
 
 use headwise::eval::kv_budget::{run, write_report, BudgetSpec};
 use headwise::model::{LoadedModel, ModelId, Numerics};
+use headwise::provenance::Made;
 
 fn scratch(tag: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("headwise-kv-{tag}-{}", std::process::id()));
@@ -56,18 +57,15 @@ policy = {{ type = "static_heads", window = {window}, heads = {{ ranking = "{roo
 #[test]
 fn a_resumed_sweep_reports_like_an_uninterrupted_one() {
     let Some(data) = common::data_dir() else {
-        eprintln!("SKIPPED: no evaluation data");
         return;
     };
     let path = common::real_model();
     let id = ModelId::of_file(&path).unwrap();
     let lm = LoadedModel::load(&path, Numerics::Fast).unwrap();
     let first = spec(&data, 64);
+    let made = Made::now(Numerics::Fast.name());
     let whole = scratch("whole");
-    assert_eq!(
-        run(&first, &lm, &id, &whole, None, "test", None).unwrap(),
-        6
-    );
+    assert_eq!(run(&first, &lm, &id, &whole, None, &made, None).unwrap(), 6);
     let summary = write_report(&whole).unwrap();
     let value = |policy: &str, metric: &str| {
         summary
@@ -83,11 +81,11 @@ fn a_resumed_sweep_reports_like_an_uninterrupted_one() {
     assert!(locos > window && locos < 1.0, "{locos}");
     // interrupted after the first example (and a line cut in half), then resumed
     let cut = scratch("cut");
-    run(&first, &lm, &id, &cut, Some(1), "test", None).unwrap();
+    run(&first, &lm, &id, &cut, Some(1), &made, None).unwrap();
     let records = cut.join("records.jsonl");
     let text = std::fs::read_to_string(&records).unwrap();
     std::fs::write(&records, &text[..text.len() - 20]).unwrap();
-    assert_eq!(run(&first, &lm, &id, &cut, None, "test", None).unwrap(), 4);
+    assert_eq!(run(&first, &lm, &id, &cut, None, &made, None).unwrap(), 4);
     let a = std::fs::read_to_string(whole.join("summary.json")).unwrap();
     write_report(&cut).unwrap();
     let b = std::fs::read_to_string(cut.join("summary.json")).unwrap();
@@ -101,6 +99,6 @@ fn a_resumed_sweep_reports_like_an_uninterrupted_one() {
     assert_eq!(strip(&a), strip(&b));
     // another spec into the same folder is refused before any generation
     let other = spec(&data, 32);
-    let err = run(&other, &lm, &id, &cut, None, "test", None).unwrap_err();
+    let err = run(&other, &lm, &id, &cut, None, &made, None).unwrap_err();
     assert!(err.to_string().contains("another spec"), "{err}");
 }

@@ -16,6 +16,7 @@ use headwise::model::{
     Numerics,
 };
 use headwise::policy::{generate, Plan, PolicyConfig, PolicyGeneration, Prefilled};
+use headwise::provenance::Made;
 
 const PROMPT: &[u32] = &[
     5, 17, 3, 9, 42, 42, 8, 60, 1, 33, 21, 7, 11, 2, 19, 40, 4, 12,
@@ -347,7 +348,7 @@ fn write_ranking(dir: &Path, cfg: &Config) -> std::path::PathBuf {
         acceptance: vec![],
         step_source: "teacher".into(),
         steps: 1,
-        command: "test".into(),
+        made: Made::now("fast"),
     };
     let path = dir.join("ranking.json");
     Ranking::new(p, &m, cfg.n_kv_heads).write(&path).unwrap();
@@ -475,7 +476,12 @@ fn a_probe_policy_follows_its_probe_and_ignores_labels() {
         prompt: (0..rows).map(|r| r / 5).collect(),
         step: (0..rows).map(|r| r % 5).collect(),
     };
-    let mut opts = TrainOptions::new("tiny", &id().sha256, serde_json::json!({"task": "unit"}));
+    let mut opts = TrainOptions::new(
+        "tiny",
+        &id().sha256,
+        serde_json::json!({"task": "unit"}),
+        Made::now("fast"),
+    );
     opts.probe = ProbeConfig {
         hidden: vec![8],
         max_epochs: 2,

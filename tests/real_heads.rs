@@ -20,8 +20,7 @@ fn spec() -> TaskSpec {
 
 #[test]
 fn a_retrieved_needle_credits_heads_under_both_scores() {
-    let Some(essays) = common::data_dir().map(|d| d.join("haystack/paul_graham")) else {
-        eprintln!("SKIPPED: no data dir (set HEADWISE_DATA_DIR)");
+    let Some(essays) = common::data("haystack/paul_graham") else {
         return;
     };
     let lm = LoadedModel::load(&real_model(), Numerics::Fast).unwrap();

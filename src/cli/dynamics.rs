@@ -14,6 +14,7 @@ use headwise::heads::ranking::Ranking;
 use headwise::heads::trace::{Effective, LabelKind, Trace, TraceConfig};
 use headwise::metrics::contains_answer;
 use headwise::model::{LoadedModel, ModelId, Numerics};
+use headwise::provenance::Made;
 use headwise::results::write_atomic;
 use headwise::tasks::{self, Encoder, Haystack, TaskKind, TaskSpec};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -99,18 +100,12 @@ pub fn run(args: DynamicsArgs) -> anyhow::Result<()> {
         &format!("{task}: CCA(hidden at n, scores at n + lag)"),
     )?;
     write_atomic(&out.join(format!("{task}-cca.svg")), svg.as_bytes())?;
+    // The statistics are of the trace, computed with its numerics.
+    let made = Made::now(&card.made.numerics);
     let mut md = format!(
         "# Dynamic retrieval heads: {task} on {}\n\nTrace: {} prompts, {} steps ({}). Static \
          set: top-{} of `{static_name}`. Produced by:\n\n```\n{}\n```\n\n",
-        card.model,
-        card.prompts,
-        card.steps,
-        card.command,
-        args.k,
-        std::iter::once("headwise".to_string())
-            .chain(std::env::args().skip(1))
-            .collect::<Vec<_>>()
-            .join(" ")
+        card.model, card.prompts, card.steps, card.made.command, args.k, made.command
     );
     md.push_str(&d.to_markdown());
     md.push_str(&format!(
@@ -135,13 +130,13 @@ pub fn run(args: DynamicsArgs) -> anyhow::Result<()> {
             p.mean_top_test
         ));
     }
-    md.push_str(&format!("\n![CCA]({task}-cca.svg)\n"));
+    md.push_str(&format!(
+        "\n![CCA]({task}-cca.svg)\n\n{}\n",
+        made.markdown()
+    ));
     write_atomic(&out.join(format!("{task}.md")), md.as_bytes())?;
     let json = serde_json::json!({"dynamics": d, "cca": cca, "trace": card});
-    write_atomic(
-        &out.join(format!("{task}.json")),
-        serde_json::to_string_pretty(&json)?.as_bytes(),
-    )?;
+    write_json(&out.join(format!("{task}.json")), json, &made)?;
     print!("{md}");
     Ok(())
 }
@@ -190,7 +185,8 @@ pub fn run_ablation(args: DynamicAblationArgs) -> anyhow::Result<()> {
     let path = args.model.resolve()?;
     let id = ModelId::of_file(&path)?;
     let static_heads = static_heads(&args.static_ranking, args.k, &id.sha256, &id.name)?;
-    let lm = LoadedModel::load(&path, args.model.numerics_or(Numerics::Fast))?;
+    let numerics = args.model.numerics_or(Numerics::Fast);
+    let lm = LoadedModel::load(&path, numerics)?;
     let enc = Encoder::from_model(&lm);
     let spec = TaskSpec {
         kind: TaskKind::Niah,
@@ -252,6 +248,7 @@ pub fn run_ablation(args: DynamicAblationArgs) -> anyhow::Result<()> {
             .join(&id.name)
             .join("dynamics")
     });
+    let made = Made::now(numerics.name());
     let mut md = format!(
         "# Dynamic ablation on NIAH: {}\n\n{n} NIAH prompts (lengths {:?}, depths {:?}, seeds \
          100..{}), greedy, {} tokens at most; heads silenced by `{}` at each step only (the \
@@ -265,10 +262,7 @@ pub fn run_ablation(args: DynamicAblationArgs) -> anyhow::Result<()> {
         args.mode.name(),
         args.k,
         args.static_ranking.display(),
-        std::iter::once("headwise".to_string())
-            .chain(std::env::args().skip(1))
-            .collect::<Vec<_>>()
-            .join(" ")
+        made.command
     );
     let mut rows = Vec::new();
     for (i, v) in variants.iter().enumerate() {
@@ -291,15 +285,28 @@ pub fn run_ablation(args: DynamicAblationArgs) -> anyhow::Result<()> {
         100.0 * share,
         args.k
     ));
+    md.push_str(&format!("\n{}\n", made.markdown()));
     write_atomic(&out.join("niah-ablation.md"), md.as_bytes())?;
     let json = serde_json::json!({
         "model": id.name, "model_sha256": id.sha256, "mode": args.mode.name(),
         "variants": rows, "compensation": comp, "static_in_compensation": share,
     });
-    write_atomic(
-        &out.join("niah-ablation.json"),
-        serde_json::to_string_pretty(&json)?.as_bytes(),
-    )?;
+    write_json(&out.join("niah-ablation.json"), json, &made)?;
     print!("{md}");
     Ok(())
+}
+
+/// A JSON report (an object) with its provenance at the top level.
+#[derive(serde::Serialize)]
+struct WithMade<'a> {
+    #[serde(flatten)]
+    report: serde_json::Value,
+    #[serde(flatten)]
+    made: &'a Made,
+}
+
+/// Write the JSON object `report` with `made`'s fields beside its own.
+fn write_json(path: &Path, report: serde_json::Value, made: &Made) -> anyhow::Result<()> {
+    let json = serde_json::to_string_pretty(&WithMade { report, made })?;
+    Ok(write_atomic(path, json.as_bytes())?)
 }

@@ -9,6 +9,7 @@ use headwise::eval::report::write_report;
 use headwise::eval::run::{RunOptions, Runner, Shard};
 use headwise::eval::spec::EvalSpec;
 use headwise::model::{LoadedModel, ModelId, Numerics};
+use headwise::provenance::Made;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use super::ModelArgs;
@@ -44,7 +45,8 @@ pub enum EvalCommand {
         #[command(flatten)]
         sweep: SweepArgs,
         /// Only (re)write the report from the records already there (e.g. of a run
-        /// stopped part-way); generate nothing.
+        /// stopped part-way); generate nothing. The report records this command's
+        /// --numerics: give the run's.
         #[arg(long)]
         report_only: bool,
     },
@@ -94,13 +96,13 @@ pub fn run(cmd: EvalCommand) -> anyhow::Result<()> {
             let model = model.or_model(&spec.model);
             let path = model.resolve()?;
             let id = ModelId::of_file(&path)?;
-            let lm = LoadedModel::load(&path, model.numerics_or(Numerics::Fast))?;
-            let command = command_line();
+            let numerics = model.numerics_or(Numerics::Fast);
+            let lm = LoadedModel::load(&path, numerics)?;
             let opts = RunOptions {
                 out_dir: out.join(&id.name).join(&spec.name),
                 limit,
                 shard,
-                command,
+                made: Made::now(numerics.name()),
             };
             let runner = Runner::prepare(spec, &lm, &id, opts)?;
             for w in &runner.warnings {
@@ -136,7 +138,8 @@ pub fn run(cmd: EvalCommand) -> anyhow::Result<()> {
             let model = model.or_model(&spec.model);
             let path = model.resolve()?;
             let id = ModelId::of_file(&path)?;
-            let lm = LoadedModel::load(&path, model.numerics_or(Numerics::Fast))?;
+            let numerics = model.numerics_or(Numerics::Fast);
+            let lm = LoadedModel::load(&path, numerics)?;
             let dir = out.join(&id.name).join(&spec.name);
             let bar = ProgressBar::new(0).with_style(
                 ProgressStyle::with_template(
@@ -144,7 +147,8 @@ pub fn run(cmd: EvalCommand) -> anyhow::Result<()> {
                 )
                 .expect("a valid template"),
             );
-            let n = kv_budget::run(&spec, &lm, &id, &dir, limit, &command_line(), Some(&bar))?;
+            let made = Made::now(numerics.name());
+            let n = kv_budget::run(&spec, &lm, &id, &dir, limit, &made, Some(&bar))?;
             bar.finish_and_clear();
             eprintln!("{n} answers generated");
             kv_report(dir)
@@ -169,7 +173,8 @@ fn rag(args: SweepArgs, report_only: bool) -> anyhow::Result<()> {
         .unwrap_or_else(|| PathBuf::from("../shared/data"));
     let path = model.or_model(&spec.model).resolve()?;
     let id = ModelId::of_file(&path)?;
-    let lm = LoadedModel::load(&path, model.numerics_or(Numerics::Fast))?;
+    let numerics = model.numerics_or(Numerics::Fast);
+    let lm = LoadedModel::load(&path, numerics)?;
     let dir = out.join(&id.name).join(&spec.name);
     let bar = ProgressBar::new(0).with_style(
         ProgressStyle::with_template("{bar:40} {pos}/{len} answers, {elapsed} elapsed, ETA {eta}")
@@ -181,21 +186,18 @@ fn rag(args: SweepArgs, report_only: bool) -> anyhow::Result<()> {
     };
     bar.finish_and_clear();
     // The report names the command that generates the records.
-    let command = command_line().replace(" --report-only", "");
-    let summary = rag_eval::write_report(&dir, &spec, &id, &command)?;
+    let made = Made::now(numerics.name());
+    let made = Made {
+        command: made.command.replace(" --report-only", ""),
+        ..made
+    };
+    let summary = rag_eval::write_report(&dir, &spec, &id, &made)?;
     eprintln!(
         "{n} answers generated; wrote {} summary numbers and README.md to {}",
         summary.len(),
         dir.display()
     );
     Ok(())
-}
-
-fn command_line() -> String {
-    std::iter::once("headwise".to_string())
-        .chain(std::env::args().skip(1))
-        .collect::<Vec<_>>()
-        .join(" ")
 }
 
 fn kv_report(dir: PathBuf) -> anyhow::Result<()> {

@@ -10,6 +10,7 @@ use headwise::heads::ranking::{
 };
 use headwise::heads::run::{aggregate, LocosSteps, Scorer, TrialOutcome};
 use headwise::model::{LoadedModel, ModelId, Numerics};
+use headwise::provenance::Made;
 use headwise::tasks::{self, Haystack, TaskKind, TaskSpec};
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -268,7 +269,8 @@ fn score(args: &ScoreArgs) -> anyhow::Result<()> {
             }
         }
     }
-    let lm = LoadedModel::load(&path, args.model.numerics_or(Numerics::Fast))?;
+    let numerics = args.model.numerics_or(Numerics::Fast);
+    let lm = LoadedModel::load(&path, numerics)?;
     let haystack = if args.synthetic_haystack {
         Haystack::synthetic()
     } else {
@@ -328,10 +330,7 @@ fn score(args: &ScoreArgs) -> anyhow::Result<()> {
             accepted,
         });
     }
-    let command = format!(
-        "headwise {}",
-        std::env::args().skip(1).collect::<Vec<_>>().join(" ")
-    );
+    let made = Made::now(numerics.name());
     for (m, target) in methods.iter().zip(&targets) {
         let (scores, steps) = if *m == "wu" {
             (&wu, accepted)
@@ -353,7 +352,7 @@ fn score(args: &ScoreArgs) -> anyhow::Result<()> {
                     args.locos_steps.name().to_string()
                 },
                 steps,
-                command: command.clone(),
+                made: made.clone(),
             },
             scores,
             cfg.n_kv_heads,

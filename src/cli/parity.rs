@@ -12,7 +12,8 @@ use headwise::parity::llama_cpp::{self, GreedyParity, LlamaCppReport, PPL_CHUNKS
 #[cfg(feature = "mistralrs")]
 use headwise::parity::{self, ParityReport, PromptParity};
 use headwise::parity::{Divergence, GREEDY_TOKENS};
-use headwise::results::{write_experiment, ResultRecord, SCHEMA_VERSION};
+use headwise::provenance::{machine, Made};
+use headwise::results::{recorder, write_experiment, ResultRecord};
 
 use super::ModelArgs;
 
@@ -28,41 +29,11 @@ pub enum Reference {
     LlamaCpp,
 }
 
-/// A result record of the parity experiment against `reference`.
-fn record(
-    id: &ModelId,
-    experiment: &str,
-    task: &str,
-    tokens: Option<usize>,
-    metric: &str,
-    value: f64,
-    n: usize,
-) -> ResultRecord {
-    ResultRecord {
-        schema_version: SCHEMA_VERSION,
-        experiment: experiment.to_string(),
-        model: id.name.clone(),
-        model_sha256: id.sha256.clone(),
-        task: Some(task.to_string()),
-        context_tokens: tokens,
-        selection: Some("none".into()),
-        k: None,
-        seed: None,
-        mode: None,
-        policy: Some("full".into()),
-        metric: metric.to_string(),
-        value,
-        n,
-    }
-}
-
 /// One record per prompt and metric, plus the overall verdict numbers.
 #[cfg(feature = "mistralrs")]
-fn records(report: &ParityReport, id: &ModelId, numerics: Numerics) -> Vec<ResultRecord> {
-    let experiment = format!("parity-{}", numerics.name());
-    let rec = |task: &str, tokens: Option<usize>, metric: &str, value: f64, n: usize| {
-        record(id, &experiment, task, tokens, metric, value, n)
-    };
+fn records(report: &ParityReport, id: &ModelId, made: &Made) -> Vec<ResultRecord> {
+    let experiment = format!("parity-{}", made.numerics);
+    let rec = recorder(&experiment, id, Some("none"), made);
     let mut out = Vec::new();
     for p in &report.prompts {
         let task = format!("parity-{}", p.name);
@@ -184,28 +155,24 @@ fn write_report(
     args: &ParityArgs,
     title: &str,
     body: &str,
-    flags: &str,
     started: std::time::Instant,
-    records: &dyn Fn(&ModelId) -> Vec<ResultRecord>,
+    records: &dyn Fn(&ModelId, &Made) -> Vec<ResultRecord>,
     path: &Path,
+    made: &Made,
 ) -> anyhow::Result<()> {
     let Some(dir) = &args.out else {
         return Ok(());
     };
-    let model_flag = match &args.model.model {
-        Some(m) => format!("--model {} ", m.display()),
-        None => String::new(),
-    };
     let id = ModelId::of_file(path)?;
     let readme = format!(
-        "# {title}\n\nModel `{}` (sha256 `{}`).\n\n{body}\n\nCommand: `headwise parity {model_flag}{flags}--out {}` ({:.0} s wall time, {} CPU threads).\n",
+        "# {title}\n\nModel `{}` (sha256 `{}`).\n\n{body}\n\nCommand: `{}` ({:.0} s wall time, {}).\n",
         id.name,
         id.sha256,
-        dir.display(),
+        made.command,
         started.elapsed().as_secs_f64(),
-        std::thread::available_parallelism().map_or(0, |n| n.get()),
+        machine(),
     );
-    write_experiment(dir, &readme, &records(&id))?;
+    write_experiment(dir, &readme, &records(&id, made), made)?;
     eprintln!("wrote {}", dir.display());
     Ok(())
 }
@@ -259,10 +226,10 @@ fn run_mistralrs(
         args,
         &format!("Parity: instrumented ({numerics:?} numerics) vs mistral.rs"),
         &format!("{}\n\n{summary}", table.join("\n")),
-        &format!("--numerics {} ", numerics.name()),
         started,
-        &|id| records(&report, id, numerics),
+        &|id, made| records(&report, id, made),
         path,
+        &Made::now(numerics.name()),
     )?;
     Ok(report.passes())
 }
@@ -279,11 +246,9 @@ fn llama_row(p: &GreedyParity) -> String {
     )
 }
 
-fn llama_records(report: &LlamaCppReport, id: &ModelId, numerics: Numerics) -> Vec<ResultRecord> {
-    let experiment = format!("parity-llama-cpp-{}", numerics.name());
-    let rec = |task: &str, tokens: Option<usize>, metric: &str, value: f64, n: usize| {
-        record(id, &experiment, task, tokens, metric, value, n)
-    };
+fn llama_records(report: &LlamaCppReport, id: &ModelId, made: &Made) -> Vec<ResultRecord> {
+    let experiment = format!("parity-llama-cpp-{}", made.numerics);
+    let rec = recorder(&experiment, id, Some("none"), made);
     let scored = PPL_CHUNKS * (PPL_CTX - PPL_CTX / 2 - 1);
     let mut out = vec![
         rec(
@@ -335,7 +300,11 @@ fn run_llama_cpp(
     started: std::time::Instant,
 ) -> anyhow::Result<bool> {
     let bins = LlamaCppBins::find(args.llama_bin.as_deref(), path)?;
-    eprintln!("llama.cpp binaries: {}", bins.dir().display());
+    eprintln!(
+        "llama.cpp binaries: {} (built for the {} path; ggml numerics follow it)",
+        bins.dir().display(),
+        bins.simd().name()
+    );
     eprintln!(
         "loading {} (instrumented, {numerics:?} numerics)",
         path.display()
@@ -371,7 +340,8 @@ fn run_llama_cpp(
     );
     let n = report.prompts.len();
     let summary = format!(
-        "identical greedy continuations {}/{n} (bar 7/8); perplexity within {:.3}% (bar 1%): {verdict}. For scale: headwise equals llama.cpp with its default attention (f16 KV cache, flash attention) on {}/{n}, and llama.cpp's two attention settings agree with each other on {}/{n}.",
+        "llama.cpp's build takes ggml's {} kernels, and headwise's ggml numerics followed them. Identical greedy continuations {}/{n} (bar 7/8); perplexity within {:.3}% (bar 1%): {verdict}. For scale: headwise equals llama.cpp with its default attention (f16 KV cache, flash attention) on {}/{n}, and llama.cpp's two attention settings agree with each other on {}/{n}.",
+        report.simd.name(),
         report.identical(),
         100.0 * report.ppl_rel_diff(),
         report.identical_default(),
@@ -382,10 +352,10 @@ fn run_llama_cpp(
         args,
         &format!("Parity: instrumented ({numerics:?} numerics) vs llama.cpp"),
         &format!("{ppl}\n\n{}\n\n{summary}", table.join("\n")),
-        &format!("--reference llama.cpp --numerics {} ", numerics.name()),
         started,
-        &|id| llama_records(&report, id, numerics),
+        &|id, made| llama_records(&report, id, made),
         path,
+        &Made::now(numerics.name()),
     )?;
     Ok(report.passes())
 }

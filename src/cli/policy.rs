@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use clap::{Args, Subcommand};
 use headwise::heads::trace::Trace;
 use headwise::probe::{train, Metrics, TrainOptions};
+use headwise::provenance::Made;
 use indicatif::{ProgressBar, ProgressStyle};
 
 #[derive(Subcommand, Debug)]
@@ -63,9 +64,11 @@ fn train_probe(args: TrainProbeArgs) -> anyhow::Result<()> {
         "task": card.task,
         "prompts": card.prompts,
         "steps": card.steps,
-        "trace_command": card.command,
+        "trace_command": card.made.command,
     });
-    let mut opts = TrainOptions::new(card.model.clone(), card.model_sha256.clone(), data);
+    // The probe learned from hidden states computed with the trace's numerics.
+    let made = Made::now(&card.made.numerics);
+    let mut opts = TrainOptions::new(card.model.clone(), card.model_sha256.clone(), data, made);
     if let Some(h) = args.hidden {
         opts.probe.hidden = h;
     }

@@ -9,6 +9,7 @@ use headwise::heads::trace::{
     record, Effective, LabelKind, Trace, TraceCard, TraceConfig, SCHEMA_VERSION,
 };
 use headwise::model::{Interventions, LoadedModel, ModelId, Numerics};
+use headwise::provenance::Made;
 use headwise::tasks::{self, Encoder, Haystack, TaskKind, TaskSpec};
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -66,7 +67,8 @@ pub struct TraceArgs {
 pub fn run(args: TraceArgs) -> anyhow::Result<()> {
     let path = args.model.resolve()?;
     let id = ModelId::of_file(&path)?;
-    let lm = LoadedModel::load(&path, args.model.numerics_or(Numerics::Fast))?;
+    let numerics = args.model.numerics_or(Numerics::Fast);
+    let lm = LoadedModel::load(&path, numerics)?;
     let enc = Encoder::from_model(&lm);
     let (examples, task, kind) = match args.task {
         TraceTask::Niah => {
@@ -157,10 +159,7 @@ pub fn run(args: TraceArgs) -> anyhow::Result<()> {
         label_mean: trace.labels.mean().unwrap_or(0.0) as f64,
         steps_with_active_head: steps_active,
         examples: examples.iter().map(|e| e.id.clone()).collect(),
-        command: std::iter::once("headwise".to_string())
-            .chain(std::env::args().skip(1))
-            .collect::<Vec<_>>()
-            .join(" "),
+        made: Made::now(numerics.name()),
     };
     trace.save(&stem, &card)?;
     eprintln!(

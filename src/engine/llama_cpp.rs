@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 use crate::engine::GreedyTrace;
+use crate::model::ggml::Simd;
 use crate::{Error, Result};
 
 /// Where the workplace's build script puts the binaries, under `$HOME`.
@@ -72,10 +73,12 @@ fn err(msg: impl Into<String>) -> Error {
     Error::LlamaCpp(msg.into())
 }
 
-/// A folder holding working `llama-server` and `llama-perplexity` binaries.
+/// A folder holding working `llama-server` and `llama-perplexity` binaries, and the x86
+/// path their ggml was compiled for.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LlamaCppBins {
     dir: PathBuf,
+    simd: Simd,
 }
 
 impl LlamaCppBins {
@@ -93,9 +96,8 @@ impl LlamaCppBins {
         };
         let mut tried = Vec::new();
         for dir in candidates {
-            let bins = Self { dir };
-            match bins.check(model) {
-                Ok(()) => return Ok(bins),
+            match Self::check(&dir, model) {
+                Ok(simd) => return Ok(Self { dir, simd }),
                 Err(e) => tried.push(e.to_string()),
             }
         }
@@ -111,15 +113,25 @@ impl LlamaCppBins {
         &self.dir
     }
 
+    /// The x86 path of the build's f32 kernels (from its `system_info` line): what
+    /// `ggml` numerics must follow to compute as it does.
+    pub fn simd(&self) -> Simd {
+        self.simd
+    }
+
     fn bin(&self, name: &str) -> PathBuf {
         self.dir.join(name)
     }
 
-    /// Both binaries exist and `--version` exits cleanly, and `llama-perplexity`
-    /// evaluates two chunks of 16 tokens of `model`.
-    fn check(&self, model: &Path) -> Result<()> {
+    /// Both binaries in `dir` exist and `--version` exits cleanly, and `llama-perplexity`
+    /// evaluates two chunks of 16 tokens of `model`; returns the build's x86 path.
+    fn check(dir: &Path, model: &Path) -> Result<Simd> {
+        let probe_bins = Self {
+            dir: dir.to_path_buf(),
+            simd: Simd::Avx2,
+        };
         for name in ["llama-server", "llama-perplexity"] {
-            let path = self.bin(name);
+            let path = probe_bins.bin(name);
             if !path.is_file() {
                 return Err(err(format!("{} missing", path.display())));
             }
@@ -140,15 +152,20 @@ impl LlamaCppBins {
             "one two three four five six seven eight nine ten. ".repeat(8),
         )
         .map_err(|e| Error::io(&text, e))?;
-        let probe = self.perplexity(model, &text, 16, 2, 1);
+        let probe = probe_bins.perplexity(model, &text, 16, 2, 1);
         let _ = std::fs::remove_file(&text);
-        probe
-            .map(|_| ())
-            .map_err(|e| err(format!("{}: {e}", self.dir.display())))
+        let (_, log) = probe.map_err(|e| err(format!("{}: {e}", dir.display())))?;
+        build_simd(&log).ok_or_else(|| {
+            err(format!(
+                "{}: its system_info names neither AVX2 nor AVX512, so `ggml` numerics \
+                 cannot follow its kernels",
+                dir.display()
+            ))
+        })
     }
 
     /// `llama-perplexity` on `text_file` in chunks of `n_ctx`, `chunks` of them, with
-    /// [`Attention::F32`]; returns its final estimate.
+    /// [`Attention::F32`]; returns its final estimate and everything it printed.
     pub fn perplexity(
         &self,
         model: &Path,
@@ -156,7 +173,7 @@ impl LlamaCppBins {
         n_ctx: usize,
         chunks: usize,
         threads: usize,
-    ) -> Result<f64> {
+    ) -> Result<(f64, String)> {
         let out = Command::new(self.bin("llama-perplexity"))
             .arg("-m")
             .arg(model)
@@ -173,14 +190,37 @@ impl LlamaCppBins {
             String::from_utf8_lossy(&out.stdout),
             String::from_utf8_lossy(&out.stderr)
         );
-        parse_final_estimate(&text).ok_or_else(|| {
-            let tail: Vec<&str> = text.lines().rev().take(3).collect();
-            err(format!(
-                "llama-perplexity ({}) printed no final estimate: {}",
-                out.status,
-                tail.join(" | ")
-            ))
+        match parse_final_estimate(&text) {
+            Some(ppl) => Ok((ppl, text)),
+            None => {
+                let tail: Vec<&str> = text.lines().rev().take(3).collect();
+                Err(err(format!(
+                    "llama-perplexity ({}) printed no final estimate: {}",
+                    out.status,
+                    tail.join(" | ")
+                )))
+            }
+        }
+    }
+}
+
+/// The x86 path a llama.cpp build compiled its f32 kernels for, from the features its
+/// `system_info` line lists (`... | AVX2 = 1 | ... | AVX512 = 1 | ...`).
+fn build_simd(log: &str) -> Option<Simd> {
+    let info = log.lines().find(|l| l.contains("system_info"))?;
+    let on = |name: &str| {
+        info.split('|').any(|f| {
+            f.trim()
+                .strip_prefix(name)
+                .is_some_and(|r| r.trim() == "= 1")
         })
+    };
+    if on("AVX512") {
+        Some(Simd::Avx512)
+    } else if on("AVX2") {
+        Some(Simd::Avx2)
+    } else {
+        None
     }
 }
 
@@ -367,6 +407,17 @@ impl Drop for LlamaServer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_build_path_is_read_from_system_info() {
+        let avx512 = "load\nsystem_info: n_threads = 2 | CPU : SSE3 = 1 | AVX = 1 | AVX2 = 1 | \
+                      F16C = 1 | FMA = 1 | AVX512 = 1 | AVX512_VNNI = 1 | LLAMAFILE = 1 |\n";
+        assert_eq!(build_simd(avx512), Some(Simd::Avx512));
+        let avx2 = "system_info: n_threads = 2 | CPU : AVX = 1 | AVX2 = 1 | AVX512_VNNI = 1 |";
+        assert_eq!(build_simd(avx2), Some(Simd::Avx2));
+        assert_eq!(build_simd("system_info: CPU : SSE3 = 1 | AVX = 1 |"), None);
+        assert_eq!(build_simd("no such line"), None);
+    }
 
     #[test]
     fn the_final_estimate_is_read_from_llama_perplexity_output() {

@@ -11,6 +11,7 @@ use crate::heads::ranking::Ranking;
 use crate::model::{
     Interventions, KvCache, Logits, Model, ModelId, Observer, OutputEdit, QueryEdit, Wants,
 };
+use crate::provenance::Made;
 use crate::results::write_atomic;
 use crate::rng::SplitMix64;
 use crate::{Error, Result};
@@ -160,6 +161,9 @@ pub struct Calibration {
     pub output_means: Vec<f32>,
     /// `(n_layers, n_heads, d_head)`, row-major.
     pub query_means: Vec<f32>,
+    /// Numerics, build, command line and date of the run that computed the means.
+    #[serde(flatten)]
+    pub made: Made,
 }
 
 /// Sums head outputs and queries over the positions of one forward call.
@@ -213,7 +217,8 @@ impl Observer for MeanObserver {
 }
 
 impl Calibration {
-    /// Run `prompts` through `model` and average every head's output and query.
+    /// Run `prompts` through `model` and average every head's output and query; `made`
+    /// is the file's provenance (its numerics: `model`'s).
     ///
     /// Errors when the prompts hold no position past the first.
     pub fn compute(
@@ -221,6 +226,7 @@ impl Calibration {
         id: &ModelId,
         prompts: &[Vec<u32>],
         source: &str,
+        made: &Made,
     ) -> Result<Self> {
         let cfg = model.config();
         let per_layer = cfg.n_heads * cfg.d_head;
@@ -256,6 +262,7 @@ impl Calibration {
             d_head: cfg.d_head,
             output_means: mean(obs.outputs),
             query_means: mean(obs.queries),
+            made: made.clone(),
         })
     }
 

@@ -540,7 +540,7 @@ mod tests {
     use std::collections::BTreeSet;
 
     use super::*;
-    use crate::tasks::test_support::smollm2;
+    use crate::test_support::smollm2;
 
     const KINDS: [ControlKind; 3] = [
         ControlKind::Capital,

@@ -55,6 +55,7 @@ use crate::metrics::Metric;
 use crate::model::{GenerateOptions, Interventions, LoadedModel, ModelId};
 use crate::plot::{line_chart, Chart, Mark, Series};
 use crate::policy::{generate, DynamicSource, Plan, PolicyConfig, Prefill, Prefilled};
+use crate::provenance::Made;
 use crate::results::{write_atomic, write_experiment, ResultRecord, SCHEMA_VERSION};
 use crate::tasks::Encoder;
 use crate::{Error, Result};
@@ -165,7 +166,9 @@ pub struct BudgetRun {
     pub model_sha256: String,
     /// KV heads a policy can choose between (layers without their own window).
     pub candidate_kv_heads: usize,
-    pub command: String,
+    /// Numerics, build, command line and date of the latest run into the folder.
+    #[serde(flatten)]
+    pub made: Made,
 }
 
 /// One answer under one policy.
@@ -214,7 +217,7 @@ pub fn run(
     id: &ModelId,
     out: &Path,
     limit: Option<usize>,
-    command: &str,
+    made: &Made,
     bar: Option<&ProgressBar>,
 ) -> Result<usize> {
     let cfg = lm.model.config();
@@ -235,16 +238,19 @@ pub fn run(
         model: id.name.clone(),
         model_sha256: id.sha256.clone(),
         candidate_kv_heads: plans[0].1.candidate_kv_heads(),
-        command: command.to_string(),
+        made: made.clone(),
     };
     let run_json = out.join("run.json");
     if run_json.exists() {
         let old: BudgetRun = read_json(&run_json)?;
-        if old.spec != info.spec || old.model_sha256 != info.model_sha256 {
+        if old.spec != info.spec
+            || old.model_sha256 != info.model_sha256
+            || !old.made.numerics_match(made)
+        {
             return Err(Error::invalid(
                 "out",
                 format!(
-                    "{} holds a run of another spec or model; use another --out",
+                    "{} holds a run of another spec, model or numerics; use another --out",
                     out.display()
                 ),
             ));
@@ -482,7 +488,7 @@ pub fn write_report(dir: &Path) -> Result<Vec<ResultRecord>> {
          the dynamic policies' compressed history, reported apart. Policies marked \
          `full_then_evict` share one full prefill per example; only what each head keeps \
          for decoding differs.\n\n",
-        info.spec.name, info.command, info.model, info.model_sha256, info.candidate_kv_heads
+        info.spec.name, info.made.command, info.model, info.model_sha256, info.candidate_kv_heads
     );
     let push = |summary: &mut Vec<ResultRecord>,
                 task: &str,
@@ -506,6 +512,7 @@ pub fn write_report(dir: &Path) -> Result<Vec<ResultRecord>> {
             metric: metric.to_string(),
             value,
             n,
+            made: info.made.clone(),
         });
     };
     let mut plots: BTreeMap<String, (String, Vec<PlotPoint>)> = BTreeMap::new();
@@ -678,7 +685,7 @@ pub fn write_report(dir: &Path) -> Result<Vec<ResultRecord>> {
         )?;
         readme.push_str("![decode speed](decode-speed.svg)\n\n");
     }
-    write_experiment(dir, &readme, &summary)?;
+    write_experiment(dir, &readme, &summary, &info.made)?;
     Ok(summary)
 }
 

@@ -13,6 +13,7 @@ use plotters::prelude::{Color, Palette, Palette99, SeriesLabelPosition};
 use crate::eval::run::{read_all_records, read_json, ExampleRecord, RunInfo, BASELINE};
 use crate::eval::spec::TaskSource;
 use crate::plot::{self, line_chart, Chart, Mark};
+use crate::provenance::machine;
 use crate::results::{write_atomic, write_experiment, ResultRecord, SCHEMA_VERSION};
 use crate::{Error, Result};
 
@@ -90,6 +91,7 @@ pub fn summarize(info: &RunInfo, records: &[ExampleRecord]) -> Vec<ResultRecord>
         metric: metric.to_string(),
         value,
         n,
+        made: info.made.clone(),
     };
     let mut out = Vec::new();
     for (g, rs) in &groups {
@@ -131,21 +133,6 @@ fn mean(v: &[f64]) -> f64 {
     v.iter().sum::<f64>() / v.len().max(1) as f64
 }
 
-/// Machine facts for the README: CPU model and thread count.
-fn machine() -> String {
-    let cpu = std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|t| {
-            t.lines()
-                .find(|l| l.starts_with("model name"))
-                .and_then(|l| l.split_once(':'))
-                .map(|(_, v)| v.trim().to_string())
-        })
-        .unwrap_or_else(|| "unknown CPU".into());
-    let threads = std::thread::available_parallelism().map_or(0, |n| n.get());
-    format!("{cpu}, {threads} threads")
-}
-
 /// Write `summary.json`, `README.md` and the plots for the run in `dir`.
 pub fn write_report(dir: &Path) -> Result<Vec<ResultRecord>> {
     let info: RunInfo = read_json(&dir.join("run.json"))?;
@@ -172,7 +159,7 @@ pub fn write_report(dir: &Path) -> Result<Vec<ResultRecord>> {
     md.push_str(&format!(
         "Produced by:\n\n```\n{}\n```\n\nSpec (`run.json` holds it in full): tasks {}; \
          k in {:?}; selections {}.\n\n",
-        info.command,
+        info.made.command,
         info.spec
             .tasks
             .iter()
@@ -272,7 +259,7 @@ pub fn write_report(dir: &Path) -> Result<Vec<ResultRecord>> {
             }
         }
     }
-    write_experiment(dir, &md, &summary)?;
+    write_experiment(dir, &md, &summary, &info.made)?;
     Ok(summary)
 }
 

@@ -5,8 +5,8 @@
 //!
 //! ## Files in the output folder
 //!
-//! - `run.json`: the spec, the model's identity; a later run into the same folder must
-//!   have the same spec (up to `--limit` and `--shard`);
+//! - `run.json`: the spec, the model's identity and the provenance; a later run into the
+//!   same folder must have the same spec (up to `--limit` and `--shard`) and numerics;
 //! - `records.jsonl` (or `records.shard-{i}-of-{n}.jsonl`): one [`ExampleRecord`] a line;
 //! - `calibration.json`: the calibration means (mean modes), reused on resume.
 //!
@@ -34,6 +34,7 @@ use crate::eval::Example;
 use crate::heads::ranking::Ranking;
 use crate::metrics::Metric;
 use crate::model::{generate, GenerateOptions, Interventions, LoadedModel, ModelId, NoObserver};
+use crate::provenance::Made;
 use crate::results::write_atomic;
 use crate::tasks::{self, Encoder, Haystack, TaskSpec};
 use crate::{Error, Result};
@@ -143,8 +144,9 @@ pub struct RunInfo {
     pub model_sha256: String,
     pub n_layers: usize,
     pub n_heads: usize,
-    /// The command line of the first run into this folder.
-    pub command: String,
+    /// Numerics, build, command line and date of the latest run into this folder.
+    #[serde(flatten)]
+    pub made: Made,
 }
 
 /// Which part of the examples this process runs: example `i` of each task when
@@ -191,8 +193,8 @@ pub struct RunOptions {
     pub limit: Option<usize>,
     /// Which examples this process runs.
     pub shard: Shard,
-    /// The command line, for provenance.
-    pub command: String,
+    /// Provenance of the files the run writes (its numerics: the model's).
+    pub made: Made,
 }
 
 /// One ablation setting: heads to silence under a name.
@@ -280,7 +282,7 @@ impl<'a> Runner<'a> {
             model_sha256: id.sha256.clone(),
             n_layers: cfg.n_layers,
             n_heads: cfg.n_heads,
-            command: opts.command.clone(),
+            made: opts.made.clone(),
         };
         check_run_info(&opts.out_dir, &info)?;
         let mut warnings = Vec::new();
@@ -353,7 +355,7 @@ impl<'a> Runner<'a> {
                 Some(calibration(
                     lm,
                     id,
-                    &opts.out_dir,
+                    &opts,
                     &examples,
                     &source,
                     &mut warnings,
@@ -555,25 +557,26 @@ impl<'a> Runner<'a> {
     }
 }
 
-/// Compute (or reuse from `out_dir/calibration.json`) the calibration means.
+/// Compute (or reuse from `<out_dir>/calibration.json`, when of the same prompts and
+/// numerics) the calibration means.
 fn calibration(
     lm: &LoadedModel,
     id: &ModelId,
-    out_dir: &Path,
+    opts: &RunOptions,
     examples: &[Example],
     source: &str,
     warnings: &mut Vec<String>,
 ) -> Result<Calibration> {
-    let path = out_dir.join("calibration.json");
+    let path = opts.out_dir.join("calibration.json");
     if path.exists() {
         let c = Calibration::load(&path, id)?;
-        if c.source == source {
+        if c.source == source && c.made.numerics_match(&opts.made) {
             warnings.push(format!("reusing {}", path.display()));
             return Ok(c);
         }
     }
     let prompts: Vec<Vec<u32>> = examples.iter().map(|e| e.prompt.clone()).collect();
-    let c = Calibration::compute(&lm.model, id, &prompts, source)?;
+    let c = Calibration::compute(&lm.model, id, &prompts, source, &opts.made)?;
     c.write(&path)?;
     Ok(c)
 }
@@ -585,14 +588,18 @@ fn check_run_info(dir: &Path, info: &RunInfo) -> Result<()> {
         return Ok(());
     }
     let old: RunInfo = read_json(&path)?;
-    if old.model_sha256 != info.model_sha256 || old.spec != info.spec {
+    if old.model_sha256 != info.model_sha256
+        || old.spec != info.spec
+        || !old.made.numerics_match(&info.made)
+    {
         return Err(Error::invalid(
             "output",
             format!(
-                "{} holds a run of another spec or model ({}); use another experiment name \
-                 or move the folder away",
+                "{} holds a run of another spec, model or numerics ({}, {}); use another \
+                 experiment name or move the folder away",
                 dir.display(),
-                old.model
+                old.model,
+                old.made.numerics
             ),
         ));
     }

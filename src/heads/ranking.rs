@@ -1,5 +1,5 @@
-//! Ranking files: every head's score with the model's identity, the task and the command
-//! that produced it; per-KV-head aggregates (retention works per KV head); comparison
+//! Ranking files: every head's score with the model's identity, the task and the
+//! provenance (numerics, build, command line, date); per-KV-head aggregates (retention works per KV head); comparison
 //! (Spearman rank correlation, top-K Jaccard), a DuoAttention-style TSV export and a
 //! layer x head heatmap.
 
@@ -8,6 +8,7 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 use crate::heads::HeadMatrix;
+use crate::provenance::Made;
 use crate::results::write_atomic;
 use crate::{Error, Result};
 
@@ -74,8 +75,9 @@ pub struct Provenance {
     pub step_source: String,
     /// Steps averaged over (LOCOS: answer steps of accepted trials; Wu: accepted trials).
     pub steps: usize,
-    /// The command line that produced the file.
-    pub command: String,
+    /// Numerics, build, command line and date of the scoring run.
+    #[serde(flatten)]
+    pub made: Made,
 }
 
 impl Ranking {
@@ -329,7 +331,7 @@ mod tests {
             }],
             step_source: "greedy".into(),
             steps: 2,
-            command: "headwise heads score".into(),
+            made: Made::now("fast"),
         };
         Ranking::new(p, &m, 2)
     }

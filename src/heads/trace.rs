@@ -14,6 +14,7 @@ use crate::eval::Example;
 use crate::model::{
     argmax, Interventions, KvCache, LoadedModel, Logits, NoObserver, Observer, Wants,
 };
+use crate::provenance::Made;
 use crate::results::write_atomic;
 use crate::{Error, Result};
 
@@ -464,7 +465,9 @@ pub struct TraceCard {
     pub steps_with_active_head: usize,
     /// Example ids, in prompt order.
     pub examples: Vec<String>,
-    pub command: String,
+    /// Numerics, build, command line and date of the recording.
+    #[serde(flatten)]
+    pub made: Made,
 }
 
 impl TraceCard {
@@ -567,7 +570,7 @@ mod tests {
             label_mean: 0.25,
             steps_with_active_head: 2,
             examples: vec!["a".into(), "b".into()],
-            command: "test".into(),
+            made: Made::now("fast"),
         };
         t.save(&stem, &card).unwrap();
         let (back, back_card) = Trace::load(&dir.join("niah.test.json")).unwrap();

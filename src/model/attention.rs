@@ -682,9 +682,10 @@ pub(crate) fn streaming(
 }
 
 /// Attention as llama.cpp computes it without flash attention over an f32 KV cache
-/// (`-fa off -ctk f32 -ctv f32`): per query row, scores [`ggml::dot`]`(q, k)` scaled by
-/// `1 / sqrt(d_head)` plus the mask, [`ggml::softmax_in_place`], and each output
-/// dimension `sum_j p_j v_j` by [`ggml::weighted_rows`]. (ggml scales `q` before the
+/// (`-fa off -ctk f32 -ctv f32`) on the active [`ggml::Simd`] path: per query row, scores
+/// [`ggml::Simd::dot`]`(q, k)` scaled by `1 / sqrt(d_head)` plus the mask,
+/// [`ggml::Simd::softmax_in_place`], and each output dimension `sum_j p_j v_j` by
+/// [`ggml::Simd::weighted_rows`]. (ggml scales `q` before the
 /// product; for a power-of-two scale, as in both models here, that is the same float.)
 /// Keys line up with ggml's lanes by absolute position (`key_start` is key 0's), as
 /// llama.cpp's cache cells do until it evicts. `start` is the first query's offset from
@@ -697,6 +698,7 @@ pub(crate) fn ggml_plain(
     key_start: usize,
     mask: Option<&Tensor>,
 ) -> Result<Tensor> {
+    let simd = ggml::Simd::active()?;
     per_row(q, keys, values, start, mask, |rows, out| {
         let Shapes {
             q_len, dh, kv_len, ..
@@ -706,11 +708,11 @@ pub(crate) fn ggml_plain(
             let mut p: Vec<f32> = (0..kv_len)
                 .map(|j| match rows.bias(i, j) {
                     f32::NEG_INFINITY => f32::NEG_INFINITY,
-                    b => ggml::dot(qrow, rows.key(kvh, j)) * scale + b,
+                    b => simd.dot(qrow, rows.key(kvh, j)) * scale + b,
                 })
                 .collect();
-            ggml::softmax_in_place(&mut p, key_start);
-            ggml::weighted_rows(&p, key_start, q_len, |j| rows.value(kvh, j), slot);
+            simd.softmax_in_place(&mut p, key_start);
+            simd.weighted_rows(&p, key_start, q_len, |j| rows.value(kvh, j), slot);
         });
     })
 }

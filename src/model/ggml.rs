@@ -1,8 +1,10 @@
-//! llama.cpp's CPU arithmetic (ggml, x86 with AVX-512), so that
-//! [`Numerics::Ggml`](crate::model::Numerics::Ggml) can follow llama.cpp token for token.
-//! Each piece was checked against tensors dumped from llama.cpp's graph (0.3.36, run as
-//! the parity runner runs it: `-fa off -ctk f32 -ctv f32 --no-repack`,
-//! `GGML_CPU_TILED_MM=0`) on Gemma-3-270M: bit-identical.
+//! llama.cpp's CPU arithmetic (ggml on x86, its AVX-512 and its AVX2 paths: [`Simd`]), so
+//! that [`Numerics::Ggml`](crate::model::Numerics::Ggml) can follow llama.cpp token for
+//! token. Each piece was checked against tensors dumped from llama.cpp's graph (0.3.36,
+//! an AVX-512 build, run as the parity runner runs it: `-fa off -ctk f32 -ctv f32
+//! --no-repack`, `GGML_CPU_TILED_MM=0`) on Gemma-3-270M: bit-identical. The AVX2 path
+//! differs only in register width, lane-sum orders and `exp`; its pieces are checked
+//! against the AVX2 instructions themselves (tests) and end to end by the parity test.
 //!
 //! - **quantized matmuls**: [`crate::model::ggml_quant`] for `Q5_0`, `Q8_0`, `Q4_K` and
 //!   `Q6_K` weights. For other types the input is only rounded to the 8-bit grid ggml
@@ -14,15 +16,17 @@
 //!   in a 65,536-entry table.
 //! - **RMSNorm** ([`rms_norm`]): the sum of squares in f64, then `x * (1 / sqrt(mean +
 //!   eps)) * w` in f32 (candle sums in f32 and divides).
-//! - **attention scores and values** ([`dot`], [`weighted_rows`], [`softmax_in_place`]):
-//!   ggml's summation orders (four 16-lane accumulators for `q . k`, one for `p . v`), its
-//!   vectorised `exp` ([`expf`]) and its softmax sums per 16 keys in f64.
+//! - **attention scores and values** ([`Simd::dot`], [`Simd::weighted_rows`],
+//!   [`Simd::softmax_in_place`]): ggml's summation orders (four register-wide
+//!   accumulators for `q . k`, one for `p . v`), its vectorised `exp` ([`Simd::expf`]) and
+//!   its softmax sums per register of keys in f64.
 //!
 //! The 8-bit codes and the f16 table are relative errors of ~2^-8 and 2^-11 per element;
 //! the rest are last-bit differences, which matter because each can flip an 8-bit
 //! rounding downstream, and on Gemma-3-270M one flip grows to hidden states ~3% apart
 //! within three layers.
 
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::OnceLock;
 
 use candle_core::quantized::GgmlDType;
@@ -153,141 +157,272 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f32) -> Result<Tensor> {
     Ok(Tensor::from_vec(values, x.shape(), x.device())?)
 }
 
-/// Lanes of one AVX-512 register of f32.
-const LANES: usize = 16;
-
-/// The sum of 16 lanes in the pairing order of GCC's `_mm512_reduce_add_ps`: lane `i`
-/// plus lane `i + 8`, then `+ 4`, `+ 2`, `+ 1`.
-pub fn reduce16(lanes: &[f32; LANES]) -> f32 {
-    let mut v = *lanes;
-    let mut width = LANES / 2;
-    while width > 0 {
-        for i in 0..width {
-            v[i] += v[i + width];
-        }
-        width /= 2;
-    }
-    v[0]
+/// Which of ggml's x86 code paths the attention arithmetic follows. ggml picks its f32
+/// kernels when it is compiled (a native build: by the CPU it is built on), and the two
+/// paths sum in different orders and compute `exp` differently, so bit-exact parity needs
+/// the same path on both sides.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Simd {
+    /// AVX2 + FMA: 8-lane registers (`__m256`), `exp` by integer exponent arithmetic.
+    Avx2,
+    /// AVX-512 F + DQ: 16-lane registers (`__m512`), `exp` through `_mm512_scalef_ps`.
+    Avx512,
 }
 
-/// `x . y` in the order of ggml's `ggml_vec_dot_f32` (the attention scores `q . k`):
-/// four 16-lane fused multiply-add accumulators over steps of 64, folded `0 + 2`, `1 + 3`,
-/// then `0 + 1`, [`reduce16`], and a tail past the last multiple of 64 added in f64.
-pub fn dot(x: &[f32], y: &[f32]) -> f32 {
-    debug_assert_eq!(x.len(), y.len());
-    let step = 4 * LANES;
-    let whole = x.len() / step * step;
-    let mut acc = [[0f32; LANES]; 4];
-    for base in (0..whole).step_by(step) {
-        for (a, lanes) in acc.iter_mut().enumerate() {
-            let at = base + a * LANES;
-            for (l, s) in lanes.iter_mut().enumerate() {
-                *s = x[at + l].mul_add(y[at + l], *s);
+/// Environment variable that overrides [`Simd::detect`]: `avx2` or `avx512`.
+pub const SIMD_ENV: &str = "HEADWISE_GGML_SIMD";
+
+/// The active path as `Simd as u8 + 1`; 0 until first read.
+static ACTIVE: AtomicU8 = AtomicU8::new(0);
+
+impl Simd {
+    /// The name [`SIMD_ENV`] takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            Simd::Avx2 => "avx2",
+            Simd::Avx512 => "avx512",
+        }
+    }
+
+    /// Lanes of one f32 register.
+    pub fn lanes(self) -> usize {
+        match self {
+            Simd::Avx2 => 8,
+            Simd::Avx512 => 16,
+        }
+    }
+
+    /// The path a native ggml build takes on this CPU: AVX-512 when it has AVX-512 F and
+    /// DQ (ggml's softmax needs both), AVX2 otherwise.
+    pub fn detect() -> Self {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512dq")
+        {
+            return Simd::Avx512;
+        }
+        Simd::Avx2
+    }
+
+    /// The path `ggml` numerics follow: set by [`Simd::set_active`], else
+    /// `$HEADWISE_GGML_SIMD`, else [`Simd::detect`].
+    pub fn active() -> Result<Self> {
+        match ACTIVE.load(Ordering::Relaxed) {
+            1 => return Ok(Simd::Avx2),
+            2 => return Ok(Simd::Avx512),
+            _ => {}
+        }
+        let simd = match std::env::var(SIMD_ENV) {
+            Ok(v) => v.parse()?,
+            Err(_) => Self::detect(),
+        };
+        Self::set_active(simd);
+        Ok(simd)
+    }
+
+    /// Make `ggml` numerics follow `simd` from now on (e.g. the path of the llama.cpp
+    /// build being compared against).
+    pub fn set_active(simd: Simd) {
+        ACTIVE.store(simd as u8 + 1, Ordering::Relaxed);
+    }
+
+    /// The sum of one register's lanes as ggml's softmax and tinyBLAS take it: halves
+    /// added lane by lane until one is left (`_mm512_reduce_add_ps`, or AVX2's
+    /// `extractf128` + `movehl` + `movehdup`): lane `i` plus lane `i + n/2`, then `+ n/4`...
+    fn reduce_halves(lanes: &mut [f32]) -> f32 {
+        let mut width = lanes.len() / 2;
+        while width > 0 {
+            for i in 0..width {
+                lanes[i] += lanes[i + width];
+            }
+            width /= 2;
+        }
+        lanes[0]
+    }
+
+    /// The sum of one register's lanes at the end of `ggml_vec_dot_f32`: for AVX-512 as
+    /// [`Simd::reduce_halves`]; for AVX2 the halves added, then two horizontal adds
+    /// (`hadd`), which pair neighbours: `((l0 + l1) + (l2 + l3))` of the four.
+    fn reduce_dot(self, lanes: &mut [f32]) -> f32 {
+        match self {
+            Simd::Avx512 => Self::reduce_halves(lanes),
+            Simd::Avx2 => {
+                let l: Vec<f32> = (0..4).map(|i| lanes[i] + lanes[i + 4]).collect();
+                (l[0] + l[1]) + (l[2] + l[3])
             }
         }
     }
-    let [mut a0, mut a1, a2, a3] = acc;
-    for l in 0..LANES {
-        a0[l] += a2[l];
-        a1[l] += a3[l];
-    }
-    for l in 0..LANES {
-        a0[l] += a1[l];
-    }
-    let tail: f64 = (whole..x.len()).map(|i| f64::from(x[i] * y[i])).sum();
-    (f64::from(reduce16(&a0)) + tail) as f32
-}
 
-/// `out[d] = sum_j p[j] row(j)[d]` (the attention output `p . v`) as ggml sums it for a
-/// batch of `queries` rows. From two queries on it is tinyBLAS's f32 kernel: per `d`, one
-/// 16-lane fused multiply-add accumulator, term `j` in lane `(first + j) % 16`, then
-/// [`reduce16`]. For a single query (a decode step) tinyBLAS stands aside and it is
-/// [`dot`]'s order: four 16-lane accumulators, term `j` in accumulator
-/// `((first + j) % 64) / 16`. `first` is the position of term 0, so that lanes line up
-/// with a sum that starts at position 0 (the terms before `first` being zero, as masked
-/// keys are, and llama.cpp's cache being a multiple of 64 cells, so that no tail is left).
-pub fn weighted_rows<'a>(
-    p: &[f32],
-    first: usize,
-    queries: usize,
-    row: impl Fn(usize) -> &'a [f32],
-    out: &mut [f32],
-) {
-    let accumulators = if queries == 1 { 4 } else { 1 };
-    let mut lanes = vec![[[0f32; LANES]; 4]; out.len()];
-    for (j, &pj) in p.iter().enumerate() {
-        let at = first + j;
-        let (a, l) = ((at % (accumulators * LANES)) / LANES, at % LANES);
-        for (acc, v) in lanes.iter_mut().zip(row(j)) {
-            acc[a][l] = v.mul_add(pj, acc[a][l]);
-        }
-    }
-    for (o, [mut a0, mut a1, a2, a3]) in out.iter_mut().zip(lanes) {
-        for l in 0..LANES {
+    /// Fold four accumulators `0 + 2`, `1 + 3`, then `0 + 1` (`GGML_F32_VEC_REDUCE`) and
+    /// sum the lanes of what is left by [`Simd::reduce_dot`].
+    fn fold4(self, acc: &mut [Vec<f32>; 4]) -> f32 {
+        let [a0, a1, a2, a3] = acc;
+        for l in 0..a0.len() {
             a0[l] += a2[l];
             a1[l] += a3[l];
         }
-        for l in 0..LANES {
+        for l in 0..a0.len() {
             a0[l] += a1[l];
         }
-        *o = reduce16(&a0);
+        self.reduce_dot(a0)
     }
-}
 
-/// ggml's vectorised `exp` (`ggml_v_expf`, the AVX-512 form) of one lane: `x = n ln2 + b`
-/// with `n` rounded to an integer, a degree-5 polynomial in `b`, scaled by `2^n`;
-/// `0` or `inf` once `|n| > 192`. Within 2 ulp of `exp` (tested).
-pub fn expf(x: f32) -> f32 {
-    // Round-to-integer shift 1.5 * 2^23, log2(e), ln 2 split in two, polynomial terms.
-    let shift = f32::from_bits(0x4b40_0000);
-    let log2e = f32::from_bits(0x3fb8_aa3b);
-    let ln2_hi = f32::from_bits(0x3f31_7200);
-    let ln2_lo = f32::from_bits(0x35bf_be8e);
-    let c = [
-        0x3f7f_fff6,
-        0x3eff_fedb,
-        0x3e2a_af33,
-        0x3d2b_9f17,
-        0x3c07_2010,
-    ]
-    .map(f32::from_bits);
-    let n = x.mul_add(log2e, shift) - shift;
-    let b = (-n).mul_add(ln2_lo, (-n).mul_add(ln2_hi, x));
-    if n.abs() > 192.0 {
-        return if n <= 0.0 { 0.0 } else { f32::INFINITY };
+    /// `x . y` in the order of ggml's `ggml_vec_dot_f32` (the attention scores `q . k`):
+    /// four fused multiply-add accumulators of [`Simd::lanes`] lanes over steps of four
+    /// registers, folded by [`Simd::fold4`], and a tail past the last whole step added in
+    /// f64.
+    pub fn dot(self, x: &[f32], y: &[f32]) -> f32 {
+        debug_assert_eq!(x.len(), y.len());
+        let lanes = self.lanes();
+        let step = 4 * lanes;
+        let whole = x.len() / step * step;
+        let mut acc = [0; 4].map(|_| vec![0f32; lanes]);
+        for base in (0..whole).step_by(step) {
+            for (a, acc) in acc.iter_mut().enumerate() {
+                let at = base + a * lanes;
+                for (l, s) in acc.iter_mut().enumerate() {
+                    *s = x[at + l].mul_add(y[at + l], *s);
+                }
+            }
+        }
+        let tail: f64 = (whole..x.len()).map(|i| f64::from(x[i] * y[i])).sum();
+        (f64::from(self.fold4(&mut acc)) + tail) as f32
     }
-    let u = b * b;
-    let high = c[4].mul_add(b, c[3]).mul_add(u, c[2].mul_add(b, c[1]));
-    let j = high.mul_add(u, c[0].mul_add(b, 1.0));
-    // `j * 2^n` rounded once, as `_mm512_scalef_ps` does (exact in f64 first).
-    (f64::from(j) * 2f64.powi(n as i32)) as f32
-}
 
-/// Scores `(kv,)` of one query row (masked entries `-inf`) turned into probabilities in
-/// place as ggml's `soft_max` does: `exp(s - max)` by [`expf`], summed per 16 keys
-/// ([`reduce16`], keys aligned to position 0 through `first`, the position of entry 0)
-/// into an f64 total, then each multiplied by `1 / total` rounded to f32. A row with
-/// every entry masked becomes all zeros.
-pub fn softmax_in_place(scores: &mut [f32], first: usize) {
-    let max = scores.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-    if max == f32::NEG_INFINITY {
-        scores.fill(0.0);
-        return;
-    }
-    let mut total = 0f64;
-    let (n, mut lanes) = (scores.len(), [0f32; LANES]);
-    for (j, s) in scores.iter_mut().enumerate() {
-        *s = expf(*s - max);
-        let lane = (first + j) % LANES;
-        lanes[lane] = *s;
-        if lane == LANES - 1 || j + 1 == n {
-            total += f64::from(reduce16(&lanes));
-            lanes = [0f32; LANES];
+    /// `out[d] = sum_j p[j] row(j)[d]` (the attention output `p . v`) as ggml sums it for
+    /// a batch of `queries` rows. From two queries on it is tinyBLAS's f32 kernel: per `d`,
+    /// one fused multiply-add accumulator, term `j` in lane `(first + j) % lanes`, then
+    /// [`Simd::reduce_halves`]. For a single query (a decode step) tinyBLAS stands aside
+    /// and it is [`Simd::dot`]'s order: four accumulators, term `j` in accumulator
+    /// `((first + j) % (4 lanes)) / lanes`. `first` is the position of term 0, so that lanes
+    /// line up with a sum that starts at position 0 (the terms before `first` being zero,
+    /// as masked keys are, and llama.cpp's cache being a multiple of 64 cells, so that no
+    /// tail is left).
+    pub fn weighted_rows<'a>(
+        self,
+        p: &[f32],
+        first: usize,
+        queries: usize,
+        row: impl Fn(usize) -> &'a [f32],
+        out: &mut [f32],
+    ) {
+        let lanes = self.lanes();
+        let accumulators = if queries == 1 { 4 } else { 1 };
+        let mut acc: Vec<[Vec<f32>; 4]> = (0..out.len())
+            .map(|_| [0; 4].map(|_| vec![0f32; lanes]))
+            .collect();
+        for (j, &pj) in p.iter().enumerate() {
+            let at = first + j;
+            let (a, l) = ((at % (accumulators * lanes)) / lanes, at % lanes);
+            for (acc, v) in acc.iter_mut().zip(row(j)) {
+                acc[a][l] = v.mul_add(pj, acc[a][l]);
+            }
+        }
+        for (o, acc) in out.iter_mut().zip(&mut acc) {
+            *o = if queries == 1 {
+                self.fold4(acc)
+            } else {
+                Self::reduce_halves(&mut acc[0])
+            };
         }
     }
-    let inv = (1.0 / total) as f32;
-    for s in scores.iter_mut() {
-        *s *= inv;
+
+    /// ggml's vectorised `exp` (`ggml_v_expf`) of one lane: `x = n ln2 + b` with `n`
+    /// rounded to an integer and a degree-5 polynomial in `b`, scaled by `2^n`. The
+    /// AVX-512 form scales `1 + p(b)` by `_mm512_scalef_ps` and gives `0` or `inf` once
+    /// `|n| > 192`; the AVX2 form builds `2^n` from `n`'s bits and rounds `2^n + p(b) 2^n`
+    /// once, with a two-step scaling for `126 < |n| <= 192`. Both within 2 ulp of `exp`
+    /// (tested).
+    pub fn expf(self, x: f32) -> f32 {
+        // Round-to-integer shift 1.5 * 2^23, log2(e), ln 2 split in two, polynomial terms.
+        let shift = f32::from_bits(0x4b40_0000);
+        let log2e = f32::from_bits(0x3fb8_aa3b);
+        let ln2_hi = f32::from_bits(0x3f31_7200);
+        let ln2_lo = f32::from_bits(0x35bf_be8e);
+        let c = [
+            0x3f7f_fff6,
+            0x3eff_fedb,
+            0x3e2a_af33,
+            0x3d2b_9f17,
+            0x3c07_2010,
+        ]
+        .map(f32::from_bits);
+        let z = x.mul_add(log2e, shift);
+        let n = z - shift;
+        let b = (-n).mul_add(ln2_lo, (-n).mul_add(ln2_hi, x));
+        let u = b * b;
+        let high = c[4].mul_add(b, c[3]).mul_add(u, c[2].mul_add(b, c[1]));
+        match self {
+            Simd::Avx512 => {
+                if n.abs() > 192.0 {
+                    return if n <= 0.0 { 0.0 } else { f32::INFINITY };
+                }
+                let j = high.mul_add(u, c[0].mul_add(b, 1.0));
+                // `j * 2^n` rounded once, as `_mm512_scalef_ps` does (exact in f64 first).
+                (f64::from(j) * 2f64.powi(n as i32)) as f32
+            }
+            Simd::Avx2 => {
+                let j = high.mul_add(u, c[0] * b);
+                // `2^n` from the integer in `z`'s low mantissa bits, shifted into the
+                // exponent (wrapping, as the integer lanes do).
+                let e = z.to_bits() << 23;
+                let k = f32::from_bits(e.wrapping_add(1f32.to_bits()));
+                if n.abs() <= 126.0 || n.is_nan() {
+                    return j.mul_add(k, k);
+                }
+                let g: u32 = if n <= 0.0 { 0x8200_0000 } else { 0 };
+                let s1 = f32::from_bits(g.wrapping_add(0x7f00_0000));
+                if n.abs() > 192.0 {
+                    return s1 * s1;
+                }
+                let s2 = f32::from_bits(e.wrapping_sub(g));
+                s2.mul_add(j, s2) * s1
+            }
+        }
+    }
+
+    /// Scores `(kv,)` of one query row (masked entries `-inf`) turned into probabilities
+    /// in place as ggml's `soft_max` does: `exp(s - max)` by [`Simd::expf`], summed per
+    /// register of keys ([`Simd::reduce_halves`], keys aligned to position 0 through
+    /// `first`, the position of entry 0) into an f64 total, then each multiplied by
+    /// `1 / total` rounded to f32. A row with every entry masked becomes all zeros.
+    pub fn softmax_in_place(self, scores: &mut [f32], first: usize) {
+        let max = scores.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+        if max == f32::NEG_INFINITY {
+            scores.fill(0.0);
+            return;
+        }
+        let width = self.lanes();
+        let mut total = 0f64;
+        let (n, mut lanes) = (scores.len(), vec![0f32; width]);
+        for (j, s) in scores.iter_mut().enumerate() {
+            *s = self.expf(*s - max);
+            let lane = (first + j) % width;
+            lanes[lane] = *s;
+            if lane == width - 1 || j + 1 == n {
+                total += f64::from(Self::reduce_halves(&mut lanes));
+                lanes.fill(0.0);
+            }
+        }
+        let inv = (1.0 / total) as f32;
+        for s in scores.iter_mut() {
+            *s *= inv;
+        }
+    }
+}
+
+impl std::str::FromStr for Simd {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "avx2" => Ok(Simd::Avx2),
+            "avx512" => Ok(Simd::Avx512),
+            other => Err(Error::invalid(
+                SIMD_ENV,
+                format!("unknown ggml SIMD path {other:?} (avx2 or avx512)"),
+            )),
+        }
     }
 }
 
@@ -309,61 +444,205 @@ pub(crate) mod tests {
             .collect()
     }
 
+    const BOTH: [Simd; 2] = [Simd::Avx2, Simd::Avx512];
+
     #[test]
     fn expf_is_within_two_ulp_of_exp_and_saturates() {
-        for i in 0..20_000 {
-            let x = -87.0 + i as f32 * 0.0049;
-            let want = (x as f64).exp() as f32;
-            assert!(ulps(expf(x), want) <= 2, "{x}: {} vs {want}", expf(x));
+        for simd in BOTH {
+            for i in 0..20_000 {
+                let x = -87.0 + i as f32 * 0.0049;
+                let want = (x as f64).exp() as f32;
+                let got = simd.expf(x);
+                assert!(ulps(got, want) <= 2, "{simd:?} {x}: {got} vs {want}");
+            }
+            assert_eq!(simd.expf(0.0), 1.0);
+            assert_eq!(simd.expf(f32::NEG_INFINITY), 0.0);
+            assert_eq!(simd.expf(-200.0), 0.0);
+            assert_eq!(simd.expf(200.0), f32::INFINITY);
         }
-        assert_eq!(expf(0.0), 1.0);
-        assert_eq!(expf(f32::NEG_INFINITY), 0.0);
-        assert_eq!(expf(-200.0), 0.0);
-        assert_eq!(expf(200.0), f32::INFINITY);
+        // The AVX2 form's scaled range (126 < |n| <= 192): subnormal results.
+        for x in [-88.0f32, -95.5, -100.0, -103.0] {
+            let want = (x as f64).exp() as f32;
+            let got = Simd::Avx2.expf(x);
+            assert!(ulps(got, want) <= 2, "{x}: {got} vs {want}");
+        }
     }
 
     #[test]
-    fn reduce16_pairs_lanes_eight_apart() {
+    fn reductions_pair_lanes_as_the_registers_do() {
         // Left to right, each 1 is lost against 2^24; paired (1 + 1 first) it is kept.
         let mut lanes = [0f32; 16];
         (lanes[0], lanes[1], lanes[9]) = (16_777_216.0, 1.0, 1.0);
         assert_eq!(lanes.iter().fold(0f32, |s, v| s + v), 16_777_216.0);
-        assert_eq!(reduce16(&lanes), 16_777_218.0);
+        assert_eq!(Simd::reduce_halves(&mut lanes.clone()), 16_777_218.0);
+        // AVX2's dot product reduction pairs neighbours after the halves: lane 1 meets
+        // lane 0 (and is lost) before it could meet lane 3.
+        let mut eight = [0f32; 8];
+        (eight[0], eight[1], eight[3]) = (16_777_216.0, 1.0, 1.0);
+        assert_eq!(Simd::Avx2.reduce_dot(&mut eight.clone()), 16_777_216.0);
+        assert_eq!(Simd::reduce_halves(&mut eight.clone()), 16_777_218.0);
     }
 
     #[test]
     fn dot_and_weighted_rows_match_f64_sums() {
-        for n in [64, 256, 70, 5] {
-            let (x, y) = (pseudo(n, 1), pseudo(n, 2));
-            let want: f64 = x.iter().zip(&y).map(|(a, b)| *a as f64 * *b as f64).sum();
-            assert!((dot(&x, &y) as f64 - want).abs() < 1e-5 * n as f64, "n {n}");
-        }
-        let (p, rows) = (pseudo(137, 3), pseudo(137 * 8, 4));
-        for queries in [1, 2] {
-            let mut out = [0f32; 8];
-            weighted_rows(&p, 5, queries, |j| &rows[j * 8..(j + 1) * 8], &mut out);
-            for (d, o) in out.iter().enumerate() {
-                let want: f64 = (0..137).map(|j| p[j] as f64 * rows[j * 8 + d] as f64).sum();
-                assert!((*o as f64 - want).abs() < 1e-4, "{d}: {o} vs {want}");
+        for simd in BOTH {
+            for n in [64, 256, 70, 5] {
+                let (x, y) = (pseudo(n, 1), pseudo(n, 2));
+                let want: f64 = x.iter().zip(&y).map(|(a, b)| *a as f64 * *b as f64).sum();
+                let got = simd.dot(&x, &y) as f64;
+                assert!((got - want).abs() < 1e-5 * n as f64, "{simd:?} n {n}");
+            }
+            let (p, rows) = (pseudo(137, 3), pseudo(137 * 8, 4));
+            for queries in [1, 2] {
+                let mut out = [0f32; 8];
+                simd.weighted_rows(&p, 5, queries, |j| &rows[j * 8..(j + 1) * 8], &mut out);
+                for (d, o) in out.iter().enumerate() {
+                    let want: f64 = (0..137).map(|j| p[j] as f64 * rows[j * 8 + d] as f64).sum();
+                    assert!((*o as f64 - want).abs() < 1e-4, "{d}: {o} vs {want}");
+                }
             }
         }
     }
 
     #[test]
     fn softmax_matches_f64_and_zeroes_masked_entries() {
-        let mut s = pseudo(40, 5);
-        s[3] = f32::NEG_INFINITY;
-        let max = s.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)) as f64;
-        let e: Vec<f64> = s.iter().map(|&v| (v as f64 - max).exp()).collect();
-        let total: f64 = e.iter().sum();
-        softmax_in_place(&mut s, 11);
-        assert_eq!(s[3], 0.0);
-        for (got, want) in s.iter().zip(&e) {
-            assert!((*got as f64 - want / total).abs() < 1e-7);
+        for simd in BOTH {
+            let mut s = pseudo(40, 5);
+            s[3] = f32::NEG_INFINITY;
+            let max = s.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)) as f64;
+            let e: Vec<f64> = s.iter().map(|&v| (v as f64 - max).exp()).collect();
+            let total: f64 = e.iter().sum();
+            simd.softmax_in_place(&mut s, 11);
+            assert_eq!(s[3], 0.0);
+            for (got, want) in s.iter().zip(&e) {
+                assert!((*got as f64 - want / total).abs() < 1e-7);
+            }
+            let mut masked = vec![f32::NEG_INFINITY; 5];
+            simd.softmax_in_place(&mut masked, 0);
+            assert_eq!(masked, vec![0.0; 5]);
         }
-        let mut masked = vec![f32::NEG_INFINITY; 5];
-        softmax_in_place(&mut masked, 0);
-        assert_eq!(masked, vec![0.0; 5]);
+    }
+
+    #[test]
+    fn simd_names_parse_and_unknown_ones_are_errors() {
+        for simd in BOTH {
+            assert_eq!(simd.name().parse::<Simd>().unwrap(), simd);
+        }
+        let err = "sse".parse::<Simd>().unwrap_err().to_string();
+        assert!(err.contains(SIMD_ENV) && err.contains("avx2"), "{err}");
+    }
+
+    /// The emulated AVX2 path against the AVX2 instructions ggml's AVX2 build runs
+    /// (`ggml_v_expf`, `GGML_F32x8_REDUCE`, tinyBLAS's and the softmax's `hsum`), on
+    /// this CPU. Fails, rather than skipping, on an x86 CPU without AVX2 and FMA.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn the_avx2_path_is_bit_identical_to_the_avx2_instructions() {
+        assert!(
+            std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma"),
+            "this test needs a CPU with AVX2 and FMA"
+        );
+        let xs: Vec<f32> = (0..40_000)
+            .map(|i| -130.0 + i as f32 * 0.0037)
+            .chain(pseudo(4096, 9))
+            .chain([0.0, -0.0, f32::NEG_INFINITY, -87.4, -126.5, -190.0, 88.5])
+            .collect();
+        for chunk in xs.chunks_exact(8) {
+            let want = unsafe { avx2::expf8(chunk.try_into().unwrap()) };
+            for (x, w) in chunk.iter().zip(want) {
+                let got = Simd::Avx2.expf(*x);
+                assert_eq!(got.to_bits(), w.to_bits(), "exp({x}): {got} vs {w}");
+            }
+        }
+        for seed in 0..200 {
+            let lanes: [f32; 8] = pseudo(8, seed).try_into().unwrap();
+            let (hsum, hadd) = unsafe { avx2::sums8(lanes) };
+            assert_eq!(
+                Simd::reduce_halves(&mut lanes.clone()).to_bits(),
+                hsum.to_bits()
+            );
+            assert_eq!(
+                Simd::Avx2.reduce_dot(&mut lanes.clone()).to_bits(),
+                hadd.to_bits()
+            );
+        }
+    }
+
+    /// The AVX2 intrinsics of ggml's code, for the test above.
+    #[cfg(target_arch = "x86_64")]
+    mod avx2 {
+        use std::arch::x86_64::*;
+
+        /// `ggml_v_expf` (AVX2 + FMA form) of 8 lanes.
+        #[target_feature(enable = "avx2,fma")]
+        pub(super) unsafe fn expf8(x: [f32; 8]) -> [f32; 8] {
+            let x = _mm256_loadu_ps(x.as_ptr());
+            let r = _mm256_set1_ps(f32::from_bits(0x4b40_0000));
+            let z = _mm256_fmadd_ps(x, _mm256_set1_ps(f32::from_bits(0x3fb8_aa3b)), r);
+            let n = _mm256_sub_ps(z, r);
+            let b = _mm256_fnmadd_ps(
+                n,
+                _mm256_set1_ps(f32::from_bits(0x35bf_be8e)),
+                _mm256_fnmadd_ps(n, _mm256_set1_ps(f32::from_bits(0x3f31_7200)), x),
+            );
+            let e = _mm256_slli_epi32(_mm256_castps_si256(z), 23);
+            let k = _mm256_castsi256_ps(_mm256_add_epi32(
+                e,
+                _mm256_castps_si256(_mm256_set1_ps(1.0)),
+            ));
+            let abs_n = _mm256_andnot_ps(_mm256_set1_ps(-0.0), n);
+            let c = _mm256_castps_si256(_mm256_cmp_ps(abs_n, _mm256_set1_ps(126.0), _CMP_GT_OQ));
+            let u = _mm256_mul_ps(b, b);
+            let coef = |bits: u32| _mm256_set1_ps(f32::from_bits(bits));
+            let j = _mm256_fmadd_ps(
+                _mm256_fmadd_ps(
+                    _mm256_fmadd_ps(coef(0x3c07_2010), b, coef(0x3d2b_9f17)),
+                    u,
+                    _mm256_fmadd_ps(coef(0x3e2a_af33), b, coef(0x3eff_fedb)),
+                ),
+                u,
+                _mm256_mul_ps(coef(0x3f7f_fff6), b),
+            );
+            let mut out = [0f32; 8];
+            if _mm256_movemask_ps(_mm256_castsi256_ps(c)) == 0 {
+                _mm256_storeu_ps(out.as_mut_ptr(), _mm256_fmadd_ps(j, k, k));
+                return out;
+            }
+            let g = _mm256_and_si256(
+                _mm256_castps_si256(_mm256_cmp_ps(n, _mm256_setzero_ps(), _CMP_LE_OQ)),
+                _mm256_set1_epi32(0x8200_0000u32 as i32),
+            );
+            let s1 = _mm256_castsi256_ps(_mm256_add_epi32(g, _mm256_set1_epi32(0x7f00_0000)));
+            let s2 = _mm256_castsi256_ps(_mm256_sub_epi32(e, g));
+            let d = _mm256_castps_si256(_mm256_cmp_ps(abs_n, _mm256_set1_ps(192.0), _CMP_GT_OQ));
+            let scaled = _mm256_mul_ps(_mm256_fmadd_ps(s2, j, s2), s1);
+            let res = _mm256_or_ps(
+                _mm256_and_ps(_mm256_castsi256_ps(d), _mm256_mul_ps(s1, s1)),
+                _mm256_andnot_ps(
+                    _mm256_castsi256_ps(d),
+                    _mm256_or_ps(
+                        _mm256_and_ps(_mm256_castsi256_ps(c), scaled),
+                        _mm256_andnot_ps(_mm256_castsi256_ps(c), _mm256_fmadd_ps(k, j, k)),
+                    ),
+                ),
+            );
+            _mm256_storeu_ps(out.as_mut_ptr(), res);
+            out
+        }
+
+        /// tinyBLAS's / the softmax's `hsum` and `GGML_F32x8_REDUCE`'s final sum of one
+        /// register.
+        #[target_feature(enable = "avx2")]
+        pub(super) unsafe fn sums8(lanes: [f32; 8]) -> (f32, f32) {
+            let x = _mm256_loadu_ps(lanes.as_ptr());
+            let h = _mm_add_ps(_mm256_extractf128_ps(x, 1), _mm256_castps256_ps128(x));
+            let h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+            let hsum = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+            let t0 = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+            let t1 = _mm_hadd_ps(t0, t0);
+            (hsum, _mm_cvtss_f32(_mm_hadd_ps(t1, t1)))
+        }
     }
 
     #[test]

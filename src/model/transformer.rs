@@ -241,6 +241,11 @@ impl Model {
         &self.cfg
     }
 
+    /// The arithmetic the model computes with.
+    pub fn numerics(&self) -> Numerics {
+        self.numerics
+    }
+
     /// Set the prefill chunk size (tokens per forward step; at least 1).
     pub fn set_chunk(&mut self, chunk: usize) {
         self.chunk = chunk.max(1);

@@ -15,6 +15,7 @@ use std::path::Path;
 
 use crate::engine::llama_cpp::{Attention, LlamaCppBins, LlamaServer};
 use crate::engine::GreedyTrace;
+use crate::model::ggml::Simd;
 use crate::model::LoadedModel;
 use crate::parity::{divergence, greedy_trace, prompts, Divergence, GREEDY_TOKENS};
 use crate::perplexity::perplexity;
@@ -65,6 +66,8 @@ pub struct LlamaCppReport {
     pub ppl_same_ids: bool,
     /// One entry per prompt.
     pub prompts: Vec<GreedyParity>,
+    /// The x86 path of llama.cpp's build, which `ggml` numerics followed.
+    pub simd: Simd,
 }
 
 impl LlamaCppReport {
@@ -136,7 +139,8 @@ pub fn perplexity_text(data_dir: &Path) -> Result<String> {
     Ok(text)
 }
 
-/// Run the comparison; `on_prompt` sees each prompt's result as it is measured.
+/// Run the comparison; `on_prompt` sees each prompt's result as it is measured. `ggml`
+/// numerics follow the x86 path of llama.cpp's build from here on ([`Simd::set_active`]).
 pub fn run(
     ours: &LoadedModel,
     bins: &LlamaCppBins,
@@ -144,13 +148,14 @@ pub fn run(
     data_dir: &Path,
     on_prompt: &mut dyn FnMut(&GreedyParity),
 ) -> Result<LlamaCppReport> {
+    Simd::set_active(bins.simd());
     let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
     let text = perplexity_text(data_dir)?;
     let text_file = std::env::temp_dir().join(format!("headwise-ppl-{}.txt", std::process::id()));
     std::fs::write(&text_file, &text).map_err(|e| Error::io(&text_file, e))?;
     let ppl_reference = bins.perplexity(model_path, &text_file, PPL_CTX, PPL_CHUNKS, threads);
     let _ = std::fs::remove_file(&text_file);
-    let ppl_reference = ppl_reference?;
+    let ppl_reference = ppl_reference?.0;
 
     let server = LlamaServer::start(bins, model_path, 4096, threads, Attention::F32)?;
     let server_default = LlamaServer::start(bins, model_path, 4096, threads, Attention::Default)?;
@@ -185,5 +190,6 @@ pub fn run(
         ppl_reference,
         ppl_same_ids,
         prompts: prompts_out,
+        simd: bins.simd(),
     })
 }

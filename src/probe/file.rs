@@ -1,7 +1,7 @@
 //! Probe files: `<name>.safetensors` (weights and input standardisation, written with
 //! candle's safetensors support) and `<name>.json` (the card: architecture, label kind,
-//! threshold, data, model identity, split, training record, baselines and test
-//! metrics), both written atomically. The card records the weights file's SHA-256, so
+//! threshold, data, model identity, split, training record, baselines, test metrics
+//! and provenance), both written atomically. The card records the weights file's SHA-256, so
 //! a card never silently pairs with another run's weights.
 //!
 //! Tensors: `norm.mean`, `norm.std` `(input_dim,)`; `layers.{i}.weight`
@@ -21,6 +21,7 @@ use super::mlp::{Activation, Dense, Mlp};
 use super::train::{EpochLog, ProbeConfig};
 use super::Probe;
 use crate::heads::trace::LabelKind;
+use crate::provenance::Made;
 use crate::results::write_atomic;
 use crate::{Error, Result};
 
@@ -107,6 +108,9 @@ pub struct ProbeCard {
     pub weights: Option<WeightsFile>,
     /// Test-split metrics of the probe and the baselines.
     pub metrics: Evaluation,
+    /// Numerics (of the trace it learned from), build, command line and date.
+    #[serde(flatten)]
+    pub made: Made,
 }
 
 fn card_error(path: &Path, reason: impl std::fmt::Display) -> Error {

@@ -184,7 +184,12 @@ mod tests {
     }
 
     fn fast_options(epochs: usize) -> TrainOptions {
-        let mut opts = TrainOptions::new("tiny", "ab12", serde_json::json!({"task": "unit"}));
+        let mut opts = TrainOptions::new(
+            "tiny",
+            "ab12",
+            serde_json::json!({"task": "unit"}),
+            crate::provenance::Made::now("fast"),
+        );
         opts.probe = ProbeConfig {
             hidden: vec![32],
             dropout: 0.0,

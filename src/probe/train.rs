@@ -28,6 +28,7 @@ use super::mlp::Activation;
 use super::split::{split_by_prompt, SPLIT_FRACTIONS};
 use super::Probe;
 use crate::heads::trace::{LabelKind, Trace};
+use crate::provenance::Made;
 use crate::{Error, Result};
 
 /// The loss for binary labels.
@@ -216,6 +217,8 @@ pub struct TrainOptions {
     /// Free-form description of the data, copied into the card (task, trace file,
     /// counts...).
     pub data: serde_json::Value,
+    /// The card's provenance (its numerics: the trace's).
+    pub made: Made,
 }
 
 impl TrainOptions {
@@ -224,6 +227,7 @@ impl TrainOptions {
         model_name: impl Into<String>,
         model_sha256: impl Into<String>,
         data: serde_json::Value,
+        made: Made,
     ) -> Self {
         TrainOptions {
             probe: ProbeConfig::default(),
@@ -232,6 +236,7 @@ impl TrainOptions {
             model_name: model_name.into(),
             model_sha256: model_sha256.into(),
             data,
+            made,
         }
     }
 }
@@ -461,6 +466,7 @@ pub fn train(
         },
         weights: None,
         metrics,
+        made: opts.made.clone(),
     };
     Ok(Probe { mlp, card })
 }

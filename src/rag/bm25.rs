@@ -3,8 +3,8 @@
 //! `match` that DRAGIN sends.
 //!
 //! An index folder holds tantivy's files and `headwise-index.json` (schema version, the
-//! corpus's sha256 and passage count), written last, so a folder without it is not an
-//! index.
+//! corpus's sha256 and passage count, provenance), written last, so a folder without it
+//! is not an index.
 
 use std::path::Path;
 
@@ -15,6 +15,7 @@ use tantivy::query::{BooleanQuery, Occur, Query, TermQuery};
 use tantivy::schema::{Field, IndexRecordOption, Schema, Value, STORED, STRING, TEXT};
 use tantivy::{doc, Index, IndexReader, ReloadPolicy, TantivyDocument, Term};
 
+use crate::provenance::{Made, NO_MODEL};
 use crate::rag::corpus::Passage;
 use crate::rag::retriever::{Hit, Retriever};
 use crate::results::write_atomic;
@@ -31,6 +32,9 @@ pub struct IndexMeta {
     pub passages: usize,
     /// sha256 of the passages as indexed (id, title, text).
     pub corpus_sha256: String,
+    /// Build, command line and date (numerics: [`NO_MODEL`]).
+    #[serde(flatten)]
+    pub made: Made,
 }
 
 /// An open tantivy index.
@@ -85,6 +89,7 @@ fn fill(index: &Index, passages: &[Passage]) -> Result<IndexMeta> {
         schema_version: INDEX_SCHEMA_VERSION,
         passages: passages.len(),
         corpus_sha256: corpus_sha256(passages),
+        made: Made::now(NO_MODEL),
     })
 }
 

@@ -35,6 +35,7 @@ use crate::metrics::Metric;
 use crate::model::{LoadedModel, ModelId};
 use crate::plot::{interval_panels, Panel};
 use crate::probe::Probe;
+use crate::provenance::Made;
 use crate::rag::corpus::{pool, CorpusFormat};
 use crate::rag::dragin::{
     answer, AnswerOptions, HeadSignal, InContextHeads, Instrumented, RagConfig, SegmentSource,
@@ -443,12 +444,13 @@ fn mean_se(xs: &[f64]) -> (f64, f64) {
 }
 
 /// Write `summary.json` and `README.md` of a run folder from its records, in the
-/// spec's variant order.
+/// spec's variant order; `made` is the provenance of the run (its command the one that
+/// generates the records).
 pub fn write_report(
     dir: &Path,
     spec: &RagSpec,
     id: &ModelId,
-    command: &str,
+    made: &Made,
 ) -> Result<Vec<ResultRecord>> {
     let records: Vec<RagRecord> = read_jsonl(&dir.join("records.jsonl"))?;
     let mut groups: BTreeMap<(String, String), Vec<&RagRecord>> = BTreeMap::new();
@@ -461,11 +463,11 @@ pub fn write_report(
     let mut summary = Vec::new();
     let mut panels: Vec<Panel> = Vec::new();
     let mut md = format!(
-        "# RAG: {}\n\nCommand: `{command}`\n\nBM25 (tantivy) over each task's paragraph pool; greedy answers of at most {} tokens \
+        "# RAG: {}\n\nCommand: `{}`\n\nBM25 (tantivy) over each task's paragraph pool; greedy answers of at most {} tokens \
          per segment; EM/F1 with SQuAD normalisation, mean ± standard error over questions.\n\n\
          | task | variant | n | EM | F1 | retrievals / question | tokens / question | s / question |\n\
          |---|---|---:|---:|---:|---:|---:|---:|\n",
-        id.name, spec.max_new
+        id.name, made.command, spec.max_new
     );
     for task in &spec.tasks {
         let mut f1s = Vec::new();
@@ -517,6 +519,7 @@ pub fn write_report(
                     metric: metric.into(),
                     value,
                     n: rs.len(),
+                    made: made.clone(),
                 });
             }
         }
@@ -554,7 +557,7 @@ pub fn write_report(
             serde_json::to_string(&v.rag).unwrap_or_default()
         ));
     }
-    write_experiment(dir, &md, &summary)?;
+    write_experiment(dir, &md, &summary, made)?;
     Ok(summary)
 }
 

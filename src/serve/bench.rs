@@ -13,6 +13,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 use crate::plot::{line_chart, Chart, Mark, Series};
+use crate::provenance::{machine, Made};
 use crate::results::{write_atomic, write_experiment, ResultRecord, SCHEMA_VERSION};
 use crate::serve::{serve, Engine, ServeConfig};
 use crate::{Error, Result};
@@ -220,8 +221,7 @@ pub fn write_report(
     dir: &Path,
     model: &crate::model::ModelId,
     rows: &[BenchRow],
-    command: &str,
-    machine: &str,
+    made: &Made,
 ) -> Result<()> {
     let mut records = Vec::new();
     for r in rows {
@@ -247,16 +247,19 @@ pub fn write_report(
                 metric: metric.into(),
                 value,
                 n: r.requests,
+                made: made.clone(),
             });
         }
     }
     let mut md = format!(
         "# Serving throughput: {}\n\nStreamed chat requests against `headwise serve` on loopback; \
          each client sends its requests one after another, rates are totals over the level's wall time.\n\n\
-         Command: `{command}`\n\nMachine: {machine}; wall time {wall:.0} s over all levels.\n\n\
+         Command: `{}`\n\nMachine: {}; wall time {wall:.0} s over all levels.\n\n\
          | policy | clients | requests | prompt tokens | requests/s | tokens/s | mean latency (s) | mean TTFT (s) | mean KV peak (MiB) |\n\
          |---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
         model.name,
+        made.command,
+        machine(),
         wall = rows.iter().map(|r| r.wall_secs).sum::<f64>(),
     );
     for r in rows {
@@ -274,7 +277,7 @@ pub fn write_report(
         ));
     }
     md.push_str("\n![tokens per second against clients](throughput.svg)\n");
-    write_experiment(dir, &md, &records)?;
+    write_experiment(dir, &md, &records, made)?;
     let mut policies: Vec<&str> = rows.iter().map(|r| r.policy.as_str()).collect();
     policies.dedup();
     let series: Vec<Series<f64>> = policies

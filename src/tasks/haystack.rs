@@ -387,7 +387,7 @@ fn split_sentences(text: &str, out: &mut Vec<String>) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::tasks::test_support::smollm2;
+    use crate::test_support::smollm2;
 
     fn split(text: &str) -> Vec<String> {
         let mut out = Vec::new();

@@ -392,57 +392,12 @@ fn assemble(
 }
 
 #[cfg(test)]
-pub(crate) mod test_support {
-    //! The real tokenizers from `models/`, when present.
-
-    use std::path::Path;
-
-    use candle_core::quantized::gguf_file::Content;
-    use tokenizers::Tokenizer;
-
-    use crate::model::tokenizer::{tokenizer_from_gguf, SpecialTokens};
-    use crate::model::Config;
-
-    /// Tokenizer, special tokens and context length of `models/{file}`, or `None` (with a
-    /// note) when the file is absent.
-    pub(crate) fn load(file: &str) -> Option<(Tokenizer, SpecialTokens, usize)> {
-        let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("models")
-            .join(file);
-        if !path.exists() {
-            eprintln!("skipping: {} not present", path.display());
-            return None;
-        }
-        let mut f = std::fs::File::open(&path).expect("open model");
-        let content = Content::read(&mut f).expect("read GGUF metadata");
-        let (tok, special) = tokenizer_from_gguf(&content).expect("tokenizer");
-        let cfg = Config::from_gguf(&content).expect("config");
-        Some((tok, special, cfg.context_length))
-    }
-
-    /// SmolLM2-135M-Instruct's tokenizer.
-    pub(crate) fn smollm2() -> Option<(Tokenizer, SpecialTokens, usize)> {
-        load("SmolLM2-135M-Instruct.Q4_1.gguf")
-    }
-
-    /// Gemma 3 270M's tokenizer.
-    pub(crate) fn gemma3() -> Option<(Tokenizer, SpecialTokens, usize)> {
-        load("gemma-3-270m-q4_k_m.gguf")
-    }
-}
-
-#[cfg(test)]
 mod tests {
-    use super::test_support::{gemma3, smollm2};
     use super::*;
+    use crate::test_support::{data, gemma3, smollm2};
 
     fn paul_graham() -> Option<Haystack> {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../shared/data/haystack/paul_graham");
-        if !dir.exists() {
-            eprintln!("skipping the essays: {} not present", dir.display());
-            return None;
-        }
+        let dir = data("haystack/paul_graham")?;
         Some(Haystack::from_dir(&dir).expect("essays"))
     }
 

@@ -72,8 +72,8 @@ pub fn avoided_phrases() -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::tasks::test_support::smollm2;
     use crate::tasks::Encoder;
+    use crate::test_support::smollm2;
 
     #[test]
     fn needles_are_literal_and_vary_with_the_seed() {

@@ -282,14 +282,12 @@ pub fn content_words(text: &str) -> BTreeSet<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::tasks::test_support::{gemma3, smollm2};
     use crate::tasks::Encoder;
+    use crate::test_support::{data, gemma3, smollm2};
 
-    /// The Snowball list from the shared data folder, when present.
+    /// The Snowball list from the evaluation data folder.
     fn snowball() -> Option<BTreeSet<String>> {
-        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../shared/data/stopwords/snowball_en.txt");
-        let text = std::fs::read_to_string(&path).ok()?;
+        let text = std::fs::read_to_string(data("stopwords/snowball_en.txt")?).expect("read");
         Some(
             text.lines()
                 .filter_map(|l| l.split('|').next())
@@ -322,9 +320,6 @@ mod tests {
     #[test]
     fn question_shares_no_content_word_with_the_needle_for_every_pair_and_name() {
         let snow = snowball();
-        if snow.is_none() {
-            eprintln!("Snowball stopwords not present; checking the built-in list only");
-        }
         let words = |text: &str, list: &Option<BTreeSet<String>>| -> BTreeSet<String> {
             match list {
                 None => content_words(text),

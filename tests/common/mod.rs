@@ -1,4 +1,5 @@
-//! Shared test helpers: the real model (fetched once per test binary), and a tiny
+//! Shared test helpers: the real models (fetched once per test binary), the evaluation
+//! data (missing data is a skip, or a failure under `HEADWISE_REQUIRE_ALL=1`), and a tiny
 //! random-weight llama together with an independent brute-force forward pass over plain
 //! `Vec<f32>` loops, written without candle, to check the instrumented model against.
 
@@ -11,6 +12,11 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use headwise::model::gguf::MemorySource;
 use headwise::model::{Architecture, Config, Model, Numerics, SlidingWindow};
+
+#[path = "../../src/test_support/require.rs"]
+mod require;
+#[allow(unused_imports)]
+pub use require::{data, data_dir, models_dir, unavailable};
 
 /// The SmolLM2 GGUF, fetched into `models/` (or `$HEADWISE_MODELS_DIR`) if missing.
 pub fn real_model() -> PathBuf {
@@ -29,22 +35,6 @@ pub fn real_gemma() -> PathBuf {
     static PATH: OnceLock<PathBuf> = OnceLock::new();
     PATH.get_or_init(|| fetched(&headwise::model::fetch::GEMMA3_270M))
         .clone()
-}
-
-/// The evaluation data: `$HEADWISE_DATA_DIR`, else `../shared/data` next to the crate;
-/// `None` when neither exists.
-pub fn data_dir() -> Option<PathBuf> {
-    let dir = std::env::var("HEADWISE_DATA_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|_| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../shared/data"));
-    dir.is_dir().then_some(dir)
-}
-
-/// `models/` or `$HEADWISE_MODELS_DIR`.
-pub fn models_dir() -> PathBuf {
-    std::env::var("HEADWISE_MODELS_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|_| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("models"))
 }
 
 fn fetched(model: &headwise::model::fetch::KnownModel) -> PathBuf {

@@ -500,9 +500,9 @@ fn place(
 mod tests {
     use super::*;
     use crate::eval::datasets::test_support::{
-        assert_clean, data, support_texts, temp_dir, with_real_encoders,
+        assert_clean, support_texts, temp_dir, with_real_encoders,
     };
-    use crate::tasks::test_support::smollm2;
+    use crate::test_support::{data, smollm2};
 
     const LENGTHS: [usize; 4] = [0, 1000, 2000, 4000];
 

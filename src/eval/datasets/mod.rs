@@ -205,23 +205,11 @@ pub(crate) mod test_support {
 
     use super::{Loaded, ANSWER_RESERVE};
     use crate::eval::Example;
-    use crate::tasks::test_support::{gemma3, smollm2};
     use crate::tasks::Encoder;
+    use crate::test_support::{gemma3, smollm2};
 
-    /// `../shared/data/{rel}`, or `None` (with a note) when absent.
-    pub(crate) fn data(rel: &str) -> Option<PathBuf> {
-        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../shared/data")
-            .join(rel);
-        if path.exists() {
-            Some(path)
-        } else {
-            eprintln!("skipping: {} not present", path.display());
-            None
-        }
-    }
-
-    /// Run `check` with the encoder of each real tokenizer present (SmolLM2, Gemma 3).
+    /// Run `check` with the encoder of each real tokenizer (SmolLM2, Gemma 3) that could be
+    /// fetched.
     pub(crate) fn with_real_encoders(check: impl Fn(&Encoder)) {
         for (tok, special, ctx) in [smollm2(), gemma3()].into_iter().flatten() {
             check(&Encoder::new(&tok, &special, ctx));

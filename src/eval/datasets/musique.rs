@@ -108,10 +108,9 @@ fn example(row: Row, enc: &Encoder) -> Result<std::result::Result<Example, Strin
 mod tests {
     use super::*;
     use crate::eval::datasets::test_support::{
-        assert_clean, check_reading_example, data, json_rows, support_texts, temp_dir,
-        with_real_encoders,
+        assert_clean, check_reading_example, json_rows, support_texts, temp_dir, with_real_encoders,
     };
-    use crate::tasks::test_support::smollm2;
+    use crate::test_support::{data, smollm2};
 
     #[test]
     fn the_real_file_loads_with_exact_supporting_spans() {

@@ -1,0 +1,242 @@
+//! Provenance of every file headwise writes: the numerics the model ran with, the
+//! headwise version and git commit of the build, the exact command line and the date.
+//! [`Made`] is flattened into each artifact (`#[serde(flatten)]`), so its fields sit at
+//! the file's top level (in `summary.json`: in every record):
+//!
+//! ```json
+//! "numerics": "fast",
+//! "headwise_version": "0.1.0",
+//! "git_commit": "aaa969d2…",
+//! "command": "headwise heads score --method all --task niah",
+//! "date": "2026-12-01T09:30:00Z"
+//! ```
+//!
+//! The commit comes from `build.rs` (`git rev-parse HEAD`, `-dirty` when tracked files
+//! differ from it); it is `null` in a build outside a git checkout. [`machine`] describes
+//! the machine for reports that measure speed.
+
+use serde::{Deserialize, Serialize};
+
+/// The `numerics` of a file that no model computed (a BM25 index).
+pub const NO_MODEL: &str = "none";
+
+/// Who made a file, how and when. Every field has a default, so files written before
+/// provenance was recorded still load (their strings empty).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Made {
+    /// The instrumented model's numerics (`fast`, `reference`, `ggml`), or [`NO_MODEL`].
+    pub numerics: String,
+    /// The version of the headwise build.
+    pub headwise_version: String,
+    /// The commit the build came from, with `-dirty` when tracked files differed from it
+    /// when the build script last ran (it reruns when HEAD moves or `src/` changes);
+    /// `None` outside a git checkout.
+    pub git_commit: Option<String>,
+    /// The command line, as typed (the program written `headwise`; arguments that need
+    /// it single-quoted).
+    pub command: String,
+    /// When the file was made: UTC, RFC 3339 (`2026-12-01T09:30:00Z`).
+    pub date: String,
+    /// A remark: files whose provenance was filled in afterwards say so here.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
+}
+
+impl Made {
+    /// This process, now: its command line, this build, the clock, and `numerics` (the
+    /// name `--numerics` takes, e.g. [`crate::model::Numerics::name`]).
+    pub fn now(numerics: &str) -> Self {
+        let secs = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        Self {
+            numerics: numerics.to_string(),
+            headwise_version: env!("CARGO_PKG_VERSION").to_string(),
+            git_commit: option_env!("HEADWISE_GIT_COMMIT").map(str::to_string),
+            command: command_line(),
+            date: utc_rfc3339(secs),
+            note: None,
+        }
+    }
+
+    /// Whether a file made with `self` may be reused or continued by a run with `now`'s
+    /// numerics: the same numerics, or none recorded (a file from before provenance).
+    pub fn numerics_match(&self, now: &Made) -> bool {
+        self.numerics.is_empty() || self.numerics == now.numerics
+    }
+
+    /// One Markdown line for a report (whose text gives the command): version, commit,
+    /// numerics and date.
+    pub fn markdown(&self) -> String {
+        let commit = self
+            .git_commit
+            .as_deref()
+            .map_or(String::new(), |c| format!(" (commit `{c}`)"));
+        format!(
+            "Made by headwise {}{commit} with `{}` numerics on {}.",
+            self.headwise_version, self.numerics, self.date
+        )
+    }
+}
+
+/// The SIMD extensions [`machine`] names when the CPU has them (the ones the kernels of
+/// candle, ggml and headwise choose between).
+const SIMD_FLAGS: [&str; 6] = ["avx2", "avx512f", "avx512_vnni", "avx_vnni", "fma", "f16c"];
+
+/// The machine, for a report's README: CPU model (`/proc/cpuinfo`), threads and the
+/// SIMD extensions among [`SIMD_FLAGS`] it has, e.g. `AMD EPYC, 2 threads, avx2 fma`.
+pub fn machine() -> String {
+    let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let field = |name: &str| {
+        info.lines()
+            .find(|l| l.split(':').next().is_some_and(|k| k.trim() == name))
+            .and_then(|l| l.split_once(':'))
+            .map(|(_, v)| v.trim().to_string())
+    };
+    let cpu = field("model name").unwrap_or_else(|| "unknown CPU".into());
+    let flags = field("flags").unwrap_or_default();
+    let simd: Vec<&str> = SIMD_FLAGS
+        .into_iter()
+        .filter(|f| flags.split_whitespace().any(|x| x == *f))
+        .collect();
+    let threads = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let simd = if simd.is_empty() {
+        String::new()
+    } else {
+        format!(", {}", simd.join(" "))
+    };
+    format!("{cpu}, {threads} threads{simd}")
+}
+
+/// This process's command line, as [`Made::command`] records it.
+pub fn command_line() -> String {
+    command_of(std::env::args().skip(1))
+}
+
+/// `headwise` followed by `args`, each single-quoted when the shell would split or expand
+/// it.
+fn command_of(args: impl Iterator<Item = String>) -> String {
+    std::iter::once("headwise".to_string())
+        .chain(args.map(|a| quoted(&a)))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+fn quoted(arg: &str) -> String {
+    let plain = |c: char| c.is_ascii_alphanumeric() || "-_./,:=@%+".contains(c);
+    if !arg.is_empty() && arg.chars().all(plain) {
+        arg.to_string()
+    } else {
+        format!("'{}'", arg.replace('\'', r"'\''"))
+    }
+}
+
+/// `secs` after the Unix epoch as `YYYY-MM-DDTHH:MM:SSZ`.
+fn utc_rfc3339(secs: u64) -> String {
+    let (days, rest) = (secs / 86_400, secs % 86_400);
+    let (y, m, d) = civil_from_days(days);
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
+        rest / 3600,
+        rest / 60 % 60,
+        rest % 60
+    )
+}
+
+/// The proleptic Gregorian (year, month, day) of day `days` after 1970-01-01 (Howard
+/// Hinnant's `civil_from_days`, for days on or after the epoch).
+fn civil_from_days(days: u64) -> (u64, u64, u64) {
+    let z = days + 719_468;
+    let era = z / 146_097;
+    let doe = z % 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + u64::from(m <= 2);
+    (y, m, d)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dates_are_utc_rfc3339_on_known_days() {
+        // (seconds since the epoch, as `date -u -d @SECS +%FT%TZ` prints them)
+        for (secs, date) in [
+            (0, "1970-01-01T00:00:00Z"),
+            (951_782_400, "2000-02-29T00:00:00Z"),
+            (1_709_251_199, "2024-02-29T23:59:59Z"),
+            (1_798_675_200, "2026-12-31T00:00:00Z"),
+            (4_107_542_400, "2100-03-01T00:00:00Z"),
+        ] {
+            assert_eq!(utc_rfc3339(secs), date, "{secs}");
+        }
+        let now = Made::now("fast").date;
+        assert!(
+            now.len() == 20 && now.ends_with('Z') && now.starts_with("20"),
+            "{now}"
+        );
+    }
+
+    #[test]
+    fn commands_join_the_arguments_and_quote_what_the_shell_would_split() {
+        let args = [
+            "heads",
+            "score",
+            "--lengths",
+            "256,512",
+            "--out",
+            "my dir",
+            "it's",
+            "",
+        ];
+        assert_eq!(
+            command_of(args.iter().map(|a| a.to_string())),
+            r"headwise heads score --lengths 256,512 --out 'my dir' 'it'\''s' ''"
+        );
+        assert!(command_line().starts_with("headwise"));
+    }
+
+    #[test]
+    fn the_build_names_its_version_and_commit() {
+        let made = Made::now("reference");
+        assert_eq!(made.numerics, "reference");
+        assert_eq!(made.headwise_version, env!("CARGO_PKG_VERSION"));
+        if let Some(c) = &made.git_commit {
+            let hash = c.strip_suffix("-dirty").unwrap_or(c);
+            assert!(
+                hash.len() == 40 && hash.chars().all(|c| c.is_ascii_hexdigit()),
+                "{c}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_machine_names_its_cpu_threads_and_simd() {
+        let m = machine();
+        assert!(m.contains(" threads"), "{m}");
+        let listed = m.split(" threads").nth(1).unwrap_or_default();
+        assert!(
+            listed
+                .split([',', ' '])
+                .all(|f| f.is_empty() || SIMD_FLAGS.contains(&f)),
+            "{m}"
+        );
+    }
+
+    #[test]
+    fn files_without_provenance_still_load_and_notes_are_left_out_when_absent() {
+        let old: Made = serde_json::from_str("{}").unwrap();
+        assert_eq!(old, Made::default());
+        let json = serde_json::to_value(Made::now("fast")).unwrap();
+        assert!(json.get("note").is_none() && json.get("git_commit").is_some());
+        assert!(Made::now("fast").markdown().contains("`fast` numerics"));
+        assert!(old.numerics_match(&Made::now("ggml")));
+        assert!(Made::now("fast").numerics_match(&Made::now("fast")));
+        assert!(!Made::now("fast").numerics_match(&Made::now("ggml")));
+    }
+}
