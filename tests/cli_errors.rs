@@ -19,6 +19,9 @@ fn tmp(name: &str) -> PathBuf {
 fn headwise(args: &[&std::ffi::OsStr], env: &[(&str, &str)]) -> (i32, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_headwise"))
         .args(args)
+        // The data folder is part of each case's input (`--data-dir` reads this variable
+        // and overrides a spec's `data_dir`), so the caller's setting must not leak in.
+        .env_remove("HEADWISE_DATA_DIR")
         .envs(env.iter().copied())
         .output()
         .unwrap();
