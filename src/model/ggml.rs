@@ -569,6 +569,102 @@ pub(crate) mod tests {
         }
     }
 
+    /// The emulated AVX-512 path against the AVX-512 instructions of ggml's AVX-512
+    /// build (`ggml_v_expf`, `_mm512_reduce_add_ps` as GCC expands it), where this CPU
+    /// has them (AVX-512 F and DQ: the path [`Simd::detect`] picks). Without them the
+    /// AVX-512 path is checked only end to end, by the parity with an AVX-512 build, and
+    /// the test says so.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn the_avx512_path_is_bit_identical_to_the_avx512_instructions_where_present() {
+        if Simd::detect() != Simd::Avx512 {
+            eprintln!("this CPU has no AVX-512 F + DQ: only the AVX2 path runs here");
+            return;
+        }
+        let xs: Vec<f32> = (0..40_000)
+            .map(|i| -200.0 + i as f32 * 0.0071)
+            .chain(pseudo(4096, 11))
+            .chain([
+                0.0,
+                -0.0,
+                f32::NEG_INFINITY,
+                88.7,
+                -87.4,
+                -190.0,
+                -193.0,
+                200.0,
+            ])
+            .collect();
+        for chunk in xs.chunks(16).filter(|c| c.len() == 16) {
+            let want = unsafe { avx512::expf16(chunk.try_into().unwrap()) };
+            for (x, w) in chunk.iter().zip(want) {
+                let got = Simd::Avx512.expf(*x);
+                assert_eq!(got.to_bits(), w.to_bits(), "exp({x}): {got} vs {w}");
+            }
+        }
+        for seed in 0..200 {
+            let lanes: [f32; 16] = pseudo(16, seed).try_into().unwrap();
+            let want = unsafe { avx512::reduce_add16(lanes) };
+            assert_eq!(
+                Simd::reduce_halves(&mut lanes.clone()).to_bits(),
+                want.to_bits()
+            );
+        }
+    }
+
+    /// The AVX-512 intrinsics of ggml's code, for the test above.
+    #[cfg(target_arch = "x86_64")]
+    mod avx512 {
+        use std::arch::x86_64::*;
+
+        /// `ggml_v_expf` (AVX-512 form) of 16 lanes.
+        #[target_feature(enable = "avx512f,avx512dq")]
+        pub(super) unsafe fn expf16(x: [f32; 16]) -> [f32; 16] {
+            let x = _mm512_loadu_ps(x.as_ptr());
+            let k = |bits: u32| _mm512_set1_ps(f32::from_bits(bits));
+            let r = k(0x4b40_0000);
+            let z = _mm512_fmadd_ps(x, k(0x3fb8_aa3b), r);
+            let n = _mm512_sub_ps(z, r);
+            let b = _mm512_fnmadd_ps(n, k(0x35bf_be8e), _mm512_fnmadd_ps(n, k(0x3f31_7200), x));
+            let d = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(_mm512_abs_ps(n), _mm512_set1_ps(192.0));
+            let u = _mm512_mul_ps(b, b);
+            let j = _mm512_fmadd_ps(
+                _mm512_fmadd_ps(
+                    _mm512_fmadd_ps(k(0x3c07_2010), b, k(0x3d2b_9f17)),
+                    u,
+                    _mm512_fmadd_ps(k(0x3e2a_af33), b, k(0x3eff_fedb)),
+                ),
+                u,
+                _mm512_fmadd_ps(k(0x3f7f_fff6), b, _mm512_set1_ps(1.0)),
+            );
+            let mut res = _mm512_scalef_ps(j, n);
+            if d != 0 {
+                let zero = _mm512_setzero_ps();
+                let alt = _mm512_mask_blend_ps(
+                    _mm512_cmp_ps_mask::<_CMP_LE_OQ>(n, zero),
+                    _mm512_set1_ps(f32::INFINITY),
+                    zero,
+                );
+                res = _mm512_mask_blend_ps(d, res, alt);
+            }
+            let mut out = [0f32; 16];
+            _mm512_storeu_ps(out.as_mut_ptr(), res);
+            out
+        }
+
+        /// GCC's `_mm512_reduce_add_ps`: 256-bit halves, 128-bit halves, then two
+        /// shuffled adds (lanes two apart, then neighbours).
+        #[target_feature(enable = "avx512f,avx512dq")]
+        pub(super) unsafe fn reduce_add16(lanes: [f32; 16]) -> f32 {
+            let a = _mm512_loadu_ps(lanes.as_ptr());
+            let t3 = _mm256_add_ps(_mm512_extractf32x8_ps::<1>(a), _mm512_castps512_ps256(a));
+            let t6 = _mm_add_ps(_mm256_extractf128_ps::<1>(t3), _mm256_castps256_ps128(t3));
+            let t8 = _mm_add_ps(t6, _mm_shuffle_ps::<0b0100_1110>(t6, t6));
+            let t10 = _mm_add_ps(t8, _mm_shuffle_ps::<0b1011_0001>(t8, t8));
+            _mm_cvtss_f32(t10)
+        }
+    }
+
     /// The AVX2 intrinsics of ggml's code, for the test above.
     #[cfg(target_arch = "x86_64")]
     mod avx2 {
