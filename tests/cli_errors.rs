@@ -54,6 +54,23 @@ fn missing_model_file() {
 }
 
 #[test]
+fn an_unknown_ggml_simd_path_is_refused_before_loading() {
+    let model = common::real_model();
+    let args = [
+        "generate".as_ref(),
+        "--model".as_ref(),
+        model.as_os_str(),
+        "--numerics".as_ref(),
+        "ggml".as_ref(),
+        "--prompt".as_ref(),
+        "hi".as_ref(),
+    ];
+    let (code, err) = headwise(&args, &[("HEADWISE_GGML_SIMD", "sse4")]);
+    assert_clean_error(code, &err, "HEADWISE_GGML_SIMD");
+    assert!(err.contains("avx2 or avx512"), "{err}");
+}
+
+#[test]
 fn a_file_that_is_not_gguf() {
     let p = tmp("not.gguf");
     std::fs::write(&p, b"this is plain text, not a model").unwrap();
