@@ -82,7 +82,15 @@ impl Made {
 
 /// The SIMD extensions [`machine`] names when the CPU has them (the ones the kernels of
 /// candle, ggml and headwise choose between).
-const SIMD_FLAGS: [&str; 6] = ["avx2", "avx512f", "avx512_vnni", "avx_vnni", "fma", "f16c"];
+const SIMD_FLAGS: [&str; 7] = [
+    "avx2",
+    "avx512f",
+    "avx512dq",
+    "avx512_vnni",
+    "avx_vnni",
+    "fma",
+    "f16c",
+];
 
 /// The machine, for a report's README: CPU model (`/proc/cpuinfo`), threads and the
 /// SIMD extensions among [`SIMD_FLAGS`] it has, e.g. `AMD EPYC, 2 threads, avx2 fma`.
@@ -111,7 +119,12 @@ pub fn machine() -> String {
 
 /// This process's command line, as [`Made::command`] records it.
 pub fn command_line() -> String {
-    command_of(std::env::args().skip(1))
+    // `args_os`: an argument that is not UTF-8 (clap takes such paths) must not panic.
+    command_of(
+        std::env::args_os()
+            .skip(1)
+            .map(|a| a.to_string_lossy().into_owned()),
+    )
 }
 
 /// `headwise` followed by `args`, each single-quoted when the shell would split or expand

@@ -8,6 +8,7 @@ use common::real_gemma;
 use headwise::bench::synthetic_notes;
 use headwise::engine::llama_cpp::LlamaCppBins;
 use headwise::model::fetch::{ensure, Fetched, GEMMA3_270M};
+use headwise::model::ggml::Simd;
 use headwise::model::{
     generate, GenerateOptions, Interventions, KvCache, LoadedModel, Logits, NoObserver, Numerics,
 };
@@ -92,14 +93,23 @@ fn parity_with_llama_cpp_is_bit_exact() {
     let Some(data) = common::data_dir() else {
         return;
     };
+    let build = bins
+        .simd()
+        .expect("an AVX2 + FMA or AVX-512 build of llama.cpp");
     eprintln!(
         "llama.cpp at {} (its {} path)",
         bins.dir().display(),
-        bins.simd().name()
+        build.name()
     );
-    let ours = LoadedModel::load(&path, Numerics::Ggml).unwrap();
-    let report = headwise::parity::llama_cpp::run(&ours, &bins, &path, &data, &mut |_| {}).unwrap();
-    assert_eq!(report.simd, bins.simd());
+    let mut ours = LoadedModel::load(&path, Numerics::Ggml).unwrap();
+    // The run must switch the model to the build's path: start it on the other one.
+    ours.model.set_ggml_simd(match build {
+        Simd::Avx2 => Simd::Avx512,
+        Simd::Avx512 => Simd::Avx2,
+    });
+    let report =
+        headwise::parity::llama_cpp::run(&mut ours, &bins, &path, &data, &mut |_| {}).unwrap();
+    assert_eq!(report.simd, build);
     // llama-perplexity prints four decimals.
     assert!(
         (report.ppl_ours - report.ppl_reference).abs() <= 5e-5 + 1e-9,

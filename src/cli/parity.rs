@@ -303,13 +303,13 @@ fn run_llama_cpp(
     eprintln!(
         "llama.cpp binaries: {} (built for the {} path; ggml numerics follow it)",
         bins.dir().display(),
-        bins.simd().name()
+        bins.simd().map_or("unknown", |s| s.name())
     );
     eprintln!(
         "loading {} (instrumented, {numerics:?} numerics)",
         path.display()
     );
-    let ours = LoadedModel::load(path, numerics)?;
+    let mut ours = LoadedModel::load(path, numerics)?;
     let mut table = vec![
         format!(
             "| prompt | tokens | headwise tokenizer vs llama.cpp | greedy {GREEDY_TOKENS}: headwise vs llama.cpp (f32 attention) | headwise vs llama.cpp (default attention) | llama.cpp f32 vs default attention |"
@@ -320,7 +320,7 @@ fn run_llama_cpp(
         "perplexity: llama-perplexity and headwise on {PPL_CHUNKS} chunks of {PPL_CTX} tokens ..."
     );
     let mut printed_header = false;
-    let report = llama_cpp::run(&ours, &bins, path, &args.data_dir, &mut |p| {
+    let report = llama_cpp::run(&mut ours, &bins, path, &args.data_dir, &mut |p| {
         if !printed_header {
             table.iter().for_each(|l| println!("{l}"));
             printed_header = true;

@@ -74,11 +74,11 @@ fn err(msg: impl Into<String>) -> Error {
 }
 
 /// A folder holding working `llama-server` and `llama-perplexity` binaries, and the x86
-/// path their ggml was compiled for.
+/// path their ggml was compiled for (`None`: neither AVX2 + FMA nor AVX-512).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LlamaCppBins {
     dir: PathBuf,
-    simd: Simd,
+    simd: Option<Simd>,
 }
 
 impl LlamaCppBins {
@@ -114,8 +114,9 @@ impl LlamaCppBins {
     }
 
     /// The x86 path of the build's f32 kernels (from its `system_info` line): what
-    /// `ggml` numerics must follow to compute as it does.
-    pub fn simd(&self) -> Simd {
+    /// `ggml` numerics must follow to compute as it does; `None` for a build with
+    /// neither (which `ggml` numerics cannot follow).
+    pub fn simd(&self) -> Option<Simd> {
         self.simd
     }
 
@@ -125,10 +126,10 @@ impl LlamaCppBins {
 
     /// Both binaries in `dir` exist and `--version` exits cleanly, and `llama-perplexity`
     /// evaluates two chunks of 16 tokens of `model`; returns the build's x86 path.
-    fn check(dir: &Path, model: &Path) -> Result<Simd> {
+    fn check(dir: &Path, model: &Path) -> Result<Option<Simd>> {
         let probe_bins = Self {
             dir: dir.to_path_buf(),
-            simd: Simd::Avx2,
+            simd: None,
         };
         for name in ["llama-server", "llama-perplexity"] {
             let path = probe_bins.bin(name);
@@ -155,13 +156,7 @@ impl LlamaCppBins {
         let probe = probe_bins.perplexity(model, &text, 16, 2, 1);
         let _ = std::fs::remove_file(&text);
         let (_, log) = probe.map_err(|e| err(format!("{}: {e}", dir.display())))?;
-        build_simd(&log).ok_or_else(|| {
-            err(format!(
-                "{}: its system_info names neither AVX2 nor AVX512, so `ggml` numerics \
-                 cannot follow its kernels",
-                dir.display()
-            ))
-        })
+        Ok(build_simd(&log))
     }
 
     /// `llama-perplexity` on `text_file` in chunks of `n_ctx`, `chunks` of them, with
@@ -215,9 +210,11 @@ fn build_simd(log: &str) -> Option<Simd> {
                 .is_some_and(|r| r.trim() == "= 1")
         })
     };
+    // ggml's AVX2 softmax, `exp` and fused products need FMA too; its AVX-512 softmax
+    // needs DQ, which `system_info` does not list (every AVX-512 CPU measured has it).
     if on("AVX512") {
         Some(Simd::Avx512)
-    } else if on("AVX2") {
+    } else if on("AVX2") && on("FMA") {
         Some(Simd::Avx2)
     } else {
         None
@@ -413,8 +410,12 @@ mod tests {
         let avx512 = "load\nsystem_info: n_threads = 2 | CPU : SSE3 = 1 | AVX = 1 | AVX2 = 1 | \
                       F16C = 1 | FMA = 1 | AVX512 = 1 | AVX512_VNNI = 1 | LLAMAFILE = 1 |\n";
         assert_eq!(build_simd(avx512), Some(Simd::Avx512));
-        let avx2 = "system_info: n_threads = 2 | CPU : AVX = 1 | AVX2 = 1 | AVX512_VNNI = 1 |";
+        let avx2 =
+            "system_info: n_threads = 2 | CPU : AVX = 1 | AVX2 = 1 | FMA = 1 | AVX512_VNNI = 1 |";
         assert_eq!(build_simd(avx2), Some(Simd::Avx2));
+        // Without FMA ggml's AVX2 build takes other (unfused, 4-lane) kernels.
+        let no_fma = "system_info: CPU : AVX = 1 | AVX2 = 1 | F16C = 1 |";
+        assert_eq!(build_simd(no_fma), None);
         assert_eq!(build_simd("system_info: CPU : SSE3 = 1 | AVX = 1 |"), None);
         assert_eq!(build_simd("no such line"), None);
     }

@@ -682,7 +682,7 @@ pub(crate) fn streaming(
 }
 
 /// Attention as llama.cpp computes it without flash attention over an f32 KV cache
-/// (`-fa off -ctk f32 -ctv f32`) on the active [`ggml::Simd`] path: per query row, scores
+/// (`-fa off -ctk f32 -ctv f32`) on ggml's `simd` path: per query row, scores
 /// [`ggml::Simd::dot`]`(q, k)` scaled by `1 / sqrt(d_head)` plus the mask,
 /// [`ggml::Simd::softmax_in_place`], and each output dimension `sum_j p_j v_j` by
 /// [`ggml::Simd::weighted_rows`]. (ggml scales `q` before the
@@ -697,8 +697,8 @@ pub(crate) fn ggml_plain(
     start: usize,
     key_start: usize,
     mask: Option<&Tensor>,
+    simd: ggml::Simd,
 ) -> Result<Tensor> {
-    let simd = ggml::Simd::active()?;
     per_row(q, keys, values, start, mask, |rows, out| {
         let Shapes {
             q_len, dh, kv_len, ..
@@ -824,15 +824,17 @@ mod tests {
             let v = Tensor::randn(0f32, 1.0, (nkv, kv_len, 64), &Device::Cpu).unwrap();
             let mask = full_mask((nh, q_len, kv_len), start, window, bias);
             let (want, _) = batched(&q, &k, &v, Some(&mask), None).unwrap();
-            let case = format!("{nh}/{nkv}/{q_len}/{start}/{window:?}");
-            let got = ggml_plain(&q, &k, &v, start, 0, Some(&mask)).unwrap();
-            assert!(max_diff(&got, &want) < 1e-5, "{case}");
-            if window.is_none() && bias == 0.0 {
-                let causal = ggml_plain(&q, &k, &v, start, 0, None).unwrap();
-                assert_eq!(max_diff(&causal, &got), 0.0, "{case}: None is causal");
+            for simd in [ggml::Simd::Avx2, ggml::Simd::Avx512] {
+                let case = format!("{simd:?} {nh}/{nkv}/{q_len}/{start}/{window:?}");
+                let got = ggml_plain(&q, &k, &v, start, 0, Some(&mask), simd).unwrap();
+                assert!(max_diff(&got, &want) < 1e-5, "{case}");
+                if window.is_none() && bias == 0.0 {
+                    let causal = ggml_plain(&q, &k, &v, start, 0, None, simd).unwrap();
+                    assert_eq!(max_diff(&causal, &got), 0.0, "{case}: None is causal");
+                }
+                let shifted = ggml_plain(&q, &k, &v, start, 7, Some(&mask), simd).unwrap();
+                assert!(max_diff(&shifted, &got) < 1e-6, "{case}");
             }
-            let shifted = ggml_plain(&q, &k, &v, start, 7, Some(&mask)).unwrap();
-            assert!(max_diff(&shifted, &got) < 1e-6, "{case}");
         }
     }
 

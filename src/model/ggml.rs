@@ -26,7 +26,6 @@
 //! rounding downstream, and on Gemma-3-270M one flip grows to hidden states ~3% apart
 //! within three layers.
 
-use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::OnceLock;
 
 use candle_core::quantized::GgmlDType;
@@ -161,8 +160,7 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f32) -> Result<Tensor> {
 /// kernels when it is compiled (a native build: by the CPU it is built on), and the two
 /// paths sum in different orders and compute `exp` differently, so bit-exact parity needs
 /// the same path on both sides.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Simd {
     /// AVX2 + FMA: 8-lane registers (`__m256`), `exp` by integer exponent arithmetic.
     Avx2,
@@ -172,9 +170,6 @@ pub enum Simd {
 
 /// Environment variable that overrides [`Simd::detect`]: `avx2` or `avx512`.
 pub const SIMD_ENV: &str = "HEADWISE_GGML_SIMD";
-
-/// The active path as `Simd as u8 + 1`; 0 until first read.
-static ACTIVE: AtomicU8 = AtomicU8::new(0);
 
 impl Simd {
     /// The name [`SIMD_ENV`] takes.
@@ -205,26 +200,14 @@ impl Simd {
         Simd::Avx2
     }
 
-    /// The path `ggml` numerics follow: set by [`Simd::set_active`], else
-    /// `$HEADWISE_GGML_SIMD`, else [`Simd::detect`].
-    pub fn active() -> Result<Self> {
-        match ACTIVE.load(Ordering::Relaxed) {
-            1 => return Ok(Simd::Avx2),
-            2 => return Ok(Simd::Avx512),
-            _ => {}
+    /// The path a model loaded in `ggml` numerics follows unless told otherwise
+    /// ([`crate::model::Model::set_ggml_simd`]): `$HEADWISE_GGML_SIMD`, else
+    /// [`Simd::detect`].
+    pub fn from_env() -> Result<Self> {
+        match std::env::var(SIMD_ENV) {
+            Ok(v) => v.parse(),
+            Err(_) => Ok(Self::detect()),
         }
-        let simd = match std::env::var(SIMD_ENV) {
-            Ok(v) => v.parse()?,
-            Err(_) => Self::detect(),
-        };
-        Self::set_active(simd);
-        Ok(simd)
-    }
-
-    /// Make `ggml` numerics follow `simd` from now on (e.g. the path of the llama.cpp
-    /// build being compared against).
-    pub fn set_active(simd: Simd) {
-        ACTIVE.store(simd as u8 + 1, Ordering::Relaxed);
     }
 
     /// The sum of one register's lanes as ggml's softmax and tinyBLAS take it: halves
@@ -270,8 +253,9 @@ impl Simd {
 
     /// `x . y` in the order of ggml's `ggml_vec_dot_f32` (the attention scores `q . k`):
     /// four fused multiply-add accumulators of [`Simd::lanes`] lanes over steps of four
-    /// registers, folded by [`Simd::fold4`], and a tail past the last whole step added in
-    /// f64.
+    /// registers, folded by [`Simd::fold4`]. A tail past the last whole step (never there
+    /// for the head sizes of the models here, 64 and 256) is added in f64, which is not
+    /// ggml's order (it adds it in f32).
     pub fn dot(self, x: &[f32], y: &[f32]) -> f32 {
         debug_assert_eq!(x.len(), y.len());
         let lanes = self.lanes();
@@ -386,7 +370,9 @@ impl Simd {
     /// in place as ggml's `soft_max` does: `exp(s - max)` by [`Simd::expf`], summed per
     /// register of keys ([`Simd::reduce_halves`], keys aligned to position 0 through
     /// `first`, the position of entry 0) into an f64 total, then each multiplied by
-    /// `1 / total` rounded to f32. A row with every entry masked becomes all zeros.
+    /// `1 / total` rounded to f32. A row with every entry masked becomes all zeros. A
+    /// last partial register takes the vectorised `exp` too, where ggml calls libm's; with
+    /// llama.cpp's cache padded to whole registers that case does not arise.
     pub fn softmax_in_place(self, scores: &mut [f32], first: usize) {
         let max = scores.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
         if max == f32::NEG_INFINITY {

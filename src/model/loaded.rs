@@ -28,11 +28,6 @@ pub struct LoadedModel {
 impl LoadedModel {
     /// Open `path` and build everything.
     pub fn load(path: &Path, numerics: Numerics) -> Result<Self> {
-        if numerics == Numerics::Ggml {
-            // A bad `HEADWISE_GGML_SIMD` is an error before any work, not at the first
-            // attention call.
-            crate::model::ggml::Simd::active()?;
-        }
         let mut file = GgufFile::open(path)?;
         let cfg = Config::from_gguf(file.content())?;
         let (tokenizer, special) = tokenizer_from_gguf(file.content())?;

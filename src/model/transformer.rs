@@ -68,6 +68,8 @@ enum Activation {
 pub struct Model {
     cfg: Config,
     numerics: Numerics,
+    /// The x86 path of ggml's attention arithmetic (`ggml` numerics only).
+    ggml_simd: ggml::Simd,
     /// Per layer: RoPE, window.
     specs: Vec<LayerSpec>,
     /// `(vocab, d_model)` f32.
@@ -221,6 +223,11 @@ impl Model {
         Ok(Self {
             cfg,
             numerics,
+            ggml_simd: match numerics {
+                // A bad `HEADWISE_GGML_SIMD` is an error here, before any work.
+                Numerics::Ggml => ggml::Simd::from_env()?,
+                Numerics::Reference | Numerics::Fast => ggml::Simd::detect(),
+            },
             specs,
             embed,
             embed_scale,
@@ -244,6 +251,17 @@ impl Model {
     /// The arithmetic the model computes with.
     pub fn numerics(&self) -> Numerics {
         self.numerics
+    }
+
+    /// The x86 path of ggml whose attention arithmetic `ggml` numerics follow.
+    pub fn ggml_simd(&self) -> ggml::Simd {
+        self.ggml_simd
+    }
+
+    /// Follow `simd`'s attention arithmetic in `ggml` numerics (e.g. the path of the
+    /// llama.cpp build being compared against); no effect in other numerics.
+    pub fn set_ggml_simd(&mut self, simd: ggml::Simd) {
+        self.ggml_simd = simd;
     }
 
     /// Set the prefill chunk size (tokens per forward step; at least 1).
@@ -551,9 +569,15 @@ impl Model {
                 }
                 let (offset, mask) = (start - key_start, mask.as_ref());
                 match self.numerics {
-                    Numerics::Ggml => {
-                        attention::ggml_plain(&qh, &keys, &values, offset, key_start, mask)?
-                    }
+                    Numerics::Ggml => attention::ggml_plain(
+                        &qh,
+                        &keys,
+                        &values,
+                        offset,
+                        key_start,
+                        mask,
+                        self.ggml_simd,
+                    )?,
                     _ => attention::streaming(&qh, &keys, &values, offset, mask)?,
                 }
             }

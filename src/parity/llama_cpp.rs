@@ -16,7 +16,7 @@ use std::path::Path;
 use crate::engine::llama_cpp::{Attention, LlamaCppBins, LlamaServer};
 use crate::engine::GreedyTrace;
 use crate::model::ggml::Simd;
-use crate::model::LoadedModel;
+use crate::model::{LoadedModel, Numerics};
 use crate::parity::{divergence, greedy_trace, prompts, Divergence, GREEDY_TOKENS};
 use crate::perplexity::perplexity;
 use crate::{Error, Result};
@@ -66,7 +66,7 @@ pub struct LlamaCppReport {
     pub ppl_same_ids: bool,
     /// One entry per prompt.
     pub prompts: Vec<GreedyParity>,
-    /// The x86 path of llama.cpp's build, which `ggml` numerics followed.
+    /// The x86 path the instrumented model's `ggml` arithmetic followed.
     pub simd: Simd,
 }
 
@@ -139,16 +139,26 @@ pub fn perplexity_text(data_dir: &Path) -> Result<String> {
     Ok(text)
 }
 
-/// Run the comparison; `on_prompt` sees each prompt's result as it is measured. `ggml`
-/// numerics follow the x86 path of llama.cpp's build from here on ([`Simd::set_active`]).
+/// Run the comparison; `on_prompt` sees each prompt's result as it is measured. In `ggml`
+/// numerics the model is set to follow the x86 path of llama.cpp's build
+/// ([`crate::model::Model::set_ggml_simd`]) first.
 pub fn run(
-    ours: &LoadedModel,
+    ours: &mut LoadedModel,
     bins: &LlamaCppBins,
     model_path: &Path,
     data_dir: &Path,
     on_prompt: &mut dyn FnMut(&GreedyParity),
 ) -> Result<LlamaCppReport> {
-    Simd::set_active(bins.simd());
+    if ours.model.numerics() == Numerics::Ggml {
+        let simd = bins.simd().ok_or_else(|| {
+            Error::LlamaCpp(format!(
+                "the llama.cpp build in {} takes neither ggml's AVX2 + FMA nor its AVX-512 \
+                 kernels (its system_info), so `ggml` numerics cannot follow it",
+                bins.dir().display()
+            ))
+        })?;
+        ours.model.set_ggml_simd(simd);
+    }
     let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
     let text = perplexity_text(data_dir)?;
     let text_file = std::env::temp_dir().join(format!("headwise-ppl-{}.txt", std::process::id()));
@@ -190,6 +200,6 @@ pub fn run(
         ppl_reference,
         ppl_same_ids,
         prompts: prompts_out,
-        simd: bins.simd(),
+        simd: ours.model.ggml_simd(),
     })
 }
