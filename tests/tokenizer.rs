@@ -4,28 +4,21 @@
 
 mod common;
 
-use std::path::PathBuf;
-
 use candle_core::quantized::gguf_file::Content;
 use headwise::model::chat::{ChatMessage, ChatTemplate};
 use headwise::model::tokenizer::{tokenizer_from_gguf, SpecialTokens, COMPARISON_STRINGS};
 use tokenizers::Tokenizer;
 
-/// The real model, fetched if missing (always `Some`; the option keeps call sites simple).
-fn model_path() -> Option<PathBuf> {
-    Some(common::real_model())
+/// The real model's GGUF metadata (the model fetched if missing).
+fn content() -> Content {
+    let mut file = std::fs::File::open(common::real_model()).expect("open model");
+    Content::read(&mut file).expect("read GGUF metadata")
 }
 
-fn content() -> Option<Content> {
-    let path = model_path()?;
-    let mut file = std::fs::File::open(&path).expect("open model");
-    Some(Content::read(&mut file).expect("read GGUF metadata"))
-}
-
-fn load() -> Option<(Content, Tokenizer, SpecialTokens)> {
-    let content = content()?;
+fn load() -> (Content, Tokenizer, SpecialTokens) {
+    let content = content();
     let (tok, sp) = tokenizer_from_gguf(&content).expect("tokenizer from GGUF");
-    Some((content, tok, sp))
+    (content, tok, sp)
 }
 
 fn encode(tok: &Tokenizer, text: &str) -> Vec<u32> {
@@ -44,7 +37,7 @@ fn vocab_id(content: &Content, token: &str) -> u32 {
 
 #[test]
 fn special_tokens_of_smollm2() {
-    let Some((_, _, sp)) = load() else { return };
+    let (_, _, sp) = load();
     // Metadata: bos 1 (<|im_start|>), eos 2 (<|im_end|>), pad 2, add_bos_token false;
     // <|endoftext|> (0) also ends generation.
     assert_eq!(
@@ -61,7 +54,7 @@ fn special_tokens_of_smollm2() {
 
 #[test]
 fn vocabulary_has_no_multi_digit_tokens() {
-    let Some(content) = content() else { return };
+    let content = content();
     let tokens = content.metadata["tokenizer.ggml.tokens"].to_vec().unwrap();
     let multi_digit = tokens
         .iter()
@@ -74,9 +67,7 @@ fn vocabulary_has_no_multi_digit_tokens() {
 
 #[test]
 fn encodes_to_hand_derived_vocabulary_pieces() {
-    let Some((content, tok, _)) = load() else {
-        return;
-    };
+    let (content, tok, _) = load();
     // (input, the pieces the smollm rule gives, by hand: \p{N} isolated, then the GPT-2
     // regex; `Ġ` is a space, `Ċ` a newline in GPT-2's byte-to-symbol map)
     let rows: &[(&str, &[&str])] = &[
@@ -100,7 +91,7 @@ fn encodes_to_hand_derived_vocabulary_pieces() {
 
 #[test]
 fn chat_markup_is_one_token_and_digits_split() {
-    let Some((_, tok, _)) = load() else { return };
+    let (_, tok, _) = load();
     assert_eq!(encode(&tok, "<|im_start|>"), vec![1]);
     assert_eq!(encode(&tok, "<|im_end|>"), vec![2]);
     assert_eq!(tok.encode("<|im_start|>", true).unwrap().get_ids(), &[1]);
@@ -113,7 +104,7 @@ fn chat_markup_is_one_token_and_digits_split() {
 
 #[test]
 fn decode_inverts_encode() {
-    let Some((_, tok, _)) = load() else { return };
+    let (_, tok, _) = load();
     let strings = [
         "Hello world",
         "Year 2026 has 12345 items.",
@@ -151,7 +142,7 @@ fn decode_inverts_encode() {
 
 #[test]
 fn bytes_missing_from_the_vocabulary_are_dropped() {
-    let Some((_, tok, _)) = load() else { return };
+    let (_, tok, _) = load();
     // U+0004 has no byte symbol in SmolLM2's vocabulary; the model's tokenizer has no
     // unknown token and drops it (Hugging Face tokenizers, which trained the vocabulary, do
     // the same). It is still a piece of its own for the pre-tokenizer.
@@ -245,7 +236,7 @@ const REFERENCE_IDS: &[(&str, &[u32])] = &[
 
 #[test]
 fn reference_ids() {
-    let Some((_, tok, _)) = load() else { return };
+    let (_, tok, _) = load();
     for s in COMPARISON_STRINGS {
         assert!(
             REFERENCE_IDS.iter().any(|(t, _)| t == s),
@@ -259,9 +250,7 @@ fn reference_ids() {
 
 #[test]
 fn chat_template_from_gguf_renders_chatml() {
-    let Some((content, tok, _)) = load() else {
-        return;
-    };
+    let (content, tok, _) = load();
     let template = ChatTemplate::from_gguf(&content)
         .expect("chat template")
         .expect("SmolLM2 ships a chat template");
@@ -301,8 +290,8 @@ fn mistralrs_tokenization_matches_except_documented_rule_differences() {
     use headwise::engine::mistralrs::MistralRsEngine;
     use headwise::model::tokenizer::MISTRALRS_DIFFERS;
 
-    let Some(path) = model_path() else { return };
-    let Some((_, tok, _)) = load() else { return };
+    let path = common::real_model();
+    let (_, tok, _) = load();
     let engine = MistralRsEngine::load(&path).expect("load mistral.rs");
     let mut report = Vec::new();
     let mut failures = Vec::new();

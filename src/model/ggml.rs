@@ -168,6 +168,12 @@ pub enum Simd {
     Avx512,
 }
 
+/// Lanes of the widest register emulated (AVX-512's 16 f32).
+const MAX_LANES: usize = 16;
+
+/// Four registers' worth of accumulator lanes (only the path's [`Simd::lanes`] used).
+type Accumulators = [[f32; MAX_LANES]; 4];
+
 /// Environment variable that overrides [`Simd::detect`]: `avx2` or `avx512`.
 pub const SIMD_ENV: &str = "HEADWISE_GGML_SIMD";
 
@@ -231,7 +237,7 @@ impl Simd {
         match self {
             Simd::Avx512 => Self::reduce_halves(lanes),
             Simd::Avx2 => {
-                let l: Vec<f32> = (0..4).map(|i| lanes[i] + lanes[i + 4]).collect();
+                let l: [f32; 4] = std::array::from_fn(|i| lanes[i] + lanes[i + 4]);
                 (l[0] + l[1]) + (l[2] + l[3])
             }
         }
@@ -239,16 +245,17 @@ impl Simd {
 
     /// Fold four accumulators `0 + 2`, `1 + 3`, then `0 + 1` (`GGML_F32_VEC_REDUCE`) and
     /// sum the lanes of what is left by [`Simd::reduce_dot`].
-    fn fold4(self, acc: &mut [Vec<f32>; 4]) -> f32 {
+    fn fold4(self, acc: &mut Accumulators) -> f32 {
+        let lanes = self.lanes();
         let [a0, a1, a2, a3] = acc;
-        for l in 0..a0.len() {
+        for l in 0..lanes {
             a0[l] += a2[l];
             a1[l] += a3[l];
         }
-        for l in 0..a0.len() {
+        for l in 0..lanes {
             a0[l] += a1[l];
         }
-        self.reduce_dot(a0)
+        self.reduce_dot(&mut a0[..lanes])
     }
 
     /// `x . y` in the order of ggml's `ggml_vec_dot_f32` (the attention scores `q . k`):
@@ -261,11 +268,11 @@ impl Simd {
         let lanes = self.lanes();
         let step = 4 * lanes;
         let whole = x.len() / step * step;
-        let mut acc = [0; 4].map(|_| vec![0f32; lanes]);
+        let mut acc: Accumulators = [[0f32; MAX_LANES]; 4];
         for base in (0..whole).step_by(step) {
             for (a, acc) in acc.iter_mut().enumerate() {
                 let at = base + a * lanes;
-                for (l, s) in acc.iter_mut().enumerate() {
+                for (l, s) in acc[..lanes].iter_mut().enumerate() {
                     *s = x[at + l].mul_add(y[at + l], *s);
                 }
             }
@@ -293,9 +300,7 @@ impl Simd {
     ) {
         let lanes = self.lanes();
         let accumulators = if queries == 1 { 4 } else { 1 };
-        let mut acc: Vec<[Vec<f32>; 4]> = (0..out.len())
-            .map(|_| [0; 4].map(|_| vec![0f32; lanes]))
-            .collect();
+        let mut acc: Vec<Accumulators> = vec![[[0f32; MAX_LANES]; 4]; out.len()];
         for (j, &pj) in p.iter().enumerate() {
             let at = first + j;
             let (a, l) = ((at % (accumulators * lanes)) / lanes, at % lanes);
@@ -307,7 +312,7 @@ impl Simd {
             *o = if queries == 1 {
                 self.fold4(acc)
             } else {
-                Self::reduce_halves(&mut acc[0])
+                Self::reduce_halves(&mut acc[0][..lanes])
             };
         }
     }
@@ -381,13 +386,14 @@ impl Simd {
         }
         let width = self.lanes();
         let mut total = 0f64;
-        let (n, mut lanes) = (scores.len(), vec![0f32; width]);
+        let (n, mut register) = (scores.len(), [0f32; MAX_LANES]);
+        let lanes = &mut register[..width];
         for (j, s) in scores.iter_mut().enumerate() {
             *s = self.expf(*s - max);
             let lane = (first + j) % width;
             lanes[lane] = *s;
             if lane == width - 1 || j + 1 == n {
-                total += f64::from(Self::reduce_halves(&mut lanes));
+                total += f64::from(Self::reduce_halves(lanes));
                 lanes.fill(0.0);
             }
         }
