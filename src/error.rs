@@ -63,6 +63,9 @@ pub enum Error {
     /// The llama.cpp reference binaries failed or are missing.
     #[error("llama.cpp: {0}")]
     LlamaCpp(String),
+    /// An invariant headwise itself established did not hold: a bug, never bad input.
+    #[error("internal error: {0} (a bug in headwise; please report it)")]
+    Internal(&'static str),
     /// A tensor operation failed inside candle.
     #[error("tensor op: {0}")]
     Candle(#[from] candle_core::Error),
@@ -99,5 +102,84 @@ impl Error {
             name: name.into(),
             reason: reason.into(),
         }
+    }
+}
+
+/// A figment error as one line that points at the user's input: each failure as its
+/// key, what is wrong, and where the value came from (the file, the environment
+/// variable, or the command line), never a location in headwise's own source.
+pub(crate) fn figment_message(e: &figment::Error) -> String {
+    let parts: Vec<String> = e
+        .clone()
+        .into_iter()
+        .map(|e| {
+            let key = e.path.join(".");
+            let origin = e.metadata.as_ref().map(|md| match &md.source {
+                Some(figment::Source::File(path)) => path.display().to_string(),
+                Some(figment::Source::Custom(what)) => what.clone(),
+                Some(figment::Source::Code(_)) => "the command line".to_string(),
+                None if md.name.contains("environment") => {
+                    let profile = e.profile.clone().unwrap_or_default();
+                    let name = md.interpolate(&profile, &e.path);
+                    // figment names an `Env::prefixed` provider "`PREFIX` environment
+                    // variable(s)" but interpolates the key without the prefix.
+                    let prefix = md.name.split('`').nth(1).unwrap_or("");
+                    match name.starts_with(prefix) {
+                        true => format!("environment variable {name}"),
+                        false => format!("environment variable {prefix}{name}"),
+                    }
+                }
+                _ => md.name.to_string(),
+            });
+            let mut line = match key.is_empty() {
+                true => e.kind.to_string(),
+                false => format!("`{key}`: {}", e.kind),
+            };
+            if let Some(origin) = origin {
+                line.push_str(&format!(" (in {origin})"));
+            }
+            line
+        })
+        .collect();
+    parts.join("; ").replace('\n', " ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use figment::providers::{Env, Format, Toml};
+    use figment::Figment;
+
+    #[derive(Debug, serde::Deserialize)]
+    #[allow(dead_code)]
+    struct Settings {
+        port: u16,
+    }
+
+    #[test]
+    fn figment_errors_name_the_key_and_where_the_value_came_from() {
+        let dir = std::env::temp_dir().join(format!("headwise-figment-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("s.toml");
+        std::fs::write(&file, "port = \"high\"\n").unwrap();
+        let e = Figment::from(Toml::file(&file))
+            .extract::<Settings>()
+            .unwrap_err();
+        let msg = figment_message(&e);
+        assert!(msg.starts_with("`port`: invalid type"), "{msg}");
+        assert!(msg.contains(&format!("(in {})", file.display())), "{msg}");
+        assert!(!msg.contains("src/"), "{msg}");
+        // A variable no other test reads.
+        std::env::set_var("HEADWISE_FIGMENT_TEST_PORT", "high");
+        let e = Figment::from(Env::prefixed("HEADWISE_FIGMENT_TEST_"))
+            .extract::<Settings>()
+            .unwrap_err();
+        std::env::remove_var("HEADWISE_FIGMENT_TEST_PORT");
+        let msg = figment_message(&e);
+        assert!(
+            msg.contains("environment variable HEADWISE_FIGMENT_TEST_PORT"),
+            "{msg}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -7,8 +7,8 @@ mod common;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Barrier, Mutex};
+use std::process::Command;
+use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use reqwest::blocking::{Client, Response};
@@ -18,9 +18,7 @@ const KEY: &str = "sk-test-key";
 
 /// A `headwise serve` child process, killed when dropped.
 struct Server {
-    child: Child,
-    base: String,
-    log: Arc<Mutex<Vec<String>>>,
+    spawned: common::server::Spawned,
     _dir: TempDir,
 }
 
@@ -33,6 +31,19 @@ impl Drop for TempDir {
     }
 }
 
+impl std::ops::Deref for Server {
+    type Target = common::server::Spawned;
+    fn deref(&self) -> &Self::Target {
+        &self.spawned
+    }
+}
+
+impl std::ops::DerefMut for Server {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.spawned
+    }
+}
+
 impl Server {
     /// Start the binary with `config` (TOML) on a free port; wait until it listens.
     fn start(name: &str, config: &str) -> Server {
@@ -41,46 +52,17 @@ impl Server {
         std::fs::create_dir_all(&dir).unwrap();
         let cfg = dir.join("serve.toml");
         std::fs::write(&cfg, config).unwrap();
-        let mut child = Command::new(env!("CARGO_BIN_EXE_headwise"))
-            .args(["serve", "--port", "0", "--config"])
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_headwise"));
+        cmd.args(["serve", "--port", "0", "--config"])
             .arg(&cfg)
             .arg("--model")
             .arg(common::real_model())
             .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .env_remove("HEADWISE_API_KEY")
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let stderr = child.stderr.take().unwrap();
-        let log = Arc::new(Mutex::new(Vec::new()));
-        let (tx, rx) = std::sync::mpsc::channel();
-        let sink = Arc::clone(&log);
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                if let Some(addr) = line.split("on http://").nth(1) {
-                    let _ = tx.send(addr.trim().to_string());
-                }
-                sink.lock().unwrap().push(line);
-            }
-        });
-        let addr = rx
-            .recv_timeout(Duration::from_secs(120))
-            .unwrap_or_else(|_| panic!("server did not start: {:?}", log.lock().unwrap()));
+            .env_remove("HEADWISE_API_KEY");
         Server {
-            child,
-            base: format!("http://{addr}"),
-            log,
+            spawned: common::server::Spawned::start(cmd),
             _dir: TempDir(dir),
         }
-    }
-
-    fn url(&self, path: &str) -> String {
-        format!("{}{path}", self.base)
-    }
-
-    fn addr(&self) -> String {
-        self.base.trim_start_matches("http://").to_string()
     }
 
     /// `GET /metrics` as (name with labels, value) pairs.
@@ -109,22 +91,6 @@ impl Server {
             .sum()
     }
 
-    /// The server's exit status, waiting at most `bound` (a hang guard: the test fails
-    /// when the process is still running then).
-    fn exit_within(&mut self, bound: Duration) -> std::process::ExitStatus {
-        let end = Instant::now() + bound;
-        loop {
-            if let Some(status) = self.child.try_wait().unwrap() {
-                return status;
-            }
-            assert!(
-                Instant::now() < end,
-                "the server did not exit within {bound:?}"
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    }
-
     /// Wait up to `secs` for `cond` over the metrics.
     fn wait_metrics(&self, secs: u64, cond: impl Fn(&Server) -> bool) -> bool {
         let end = Instant::now() + Duration::from_secs(secs);
@@ -135,13 +101,6 @@ impl Server {
             std::thread::sleep(Duration::from_millis(100));
         }
         false
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 
@@ -411,6 +370,10 @@ fn thirty_two_streams_over_four_slots_finish_or_get_429() {
     let limited = outcomes.iter().filter(|o| o.0 == 429).count();
     assert_eq!(ok + limited, n, "{outcomes:?}");
     assert!(ok >= 4 && limited >= 1, "{ok} finished, {limited} refused");
+    eprintln!(
+        "load: {ok} of {n} streams finished, {limited} got 429; server peak RSS {:.0} MiB",
+        server.peak_rss() as f64 / (1u64 << 20) as f64
+    );
     for o in &outcomes {
         match o.0 {
             200 => assert_eq!((o.1, o.2), (Some(tokens as u64), true), "{o:?}"),
@@ -604,7 +567,7 @@ fn sigterm_lets_short_requests_finish_and_cancels_long_ones() {
     reader.read_line(&mut first).unwrap();
     assert!(first.starts_with("data: "), "{first}");
     let short = std::thread::spawn(move || sse_events_from(reader));
-    unsafe { libc::kill(server.child.id() as i32, libc::SIGTERM) };
+    server.terminate();
     let (events, done) = short.join().unwrap();
     assert!(done, "{events:?}");
     assert_eq!(streamed(&events).2.unwrap()["completion_tokens"], 40);

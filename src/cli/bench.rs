@@ -15,6 +15,7 @@ use headwise::model::{
 };
 use headwise::provenance::Made;
 use headwise::results::{recorder, ResultRecord};
+use headwise::wait;
 
 use super::ModelArgs;
 
@@ -112,15 +113,19 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                 continue;
             }
             eprintln!("measuring {engine} at {n} prompt tokens ...");
-            let out = Command::new(&exe)
-                .arg("bench-worker")
-                .args(["--engine", engine])
-                .args(["--prompt-tokens", &n.to_string()])
-                .args(["--decode-tokens", &args.decode_tokens.to_string()])
-                .arg("--model")
-                .arg(&path)
-                .args(["--numerics", numerics.name()])
-                .output()?;
+            let out = wait::output_within(
+                Command::new(&exe)
+                    .arg("bench-worker")
+                    .args(["--engine", engine])
+                    .args(["--prompt-tokens", &n.to_string()])
+                    .args(["--decode-tokens", &args.decode_tokens.to_string()])
+                    .arg("--model")
+                    .arg(&path)
+                    .args(["--numerics", numerics.name()]),
+                wait::setting(wait::BENCH_TIMEOUT)?,
+                &format!("the {engine} bench worker"),
+                wait::BENCH_TIMEOUT.0,
+            )?;
             if !out.status.success() {
                 anyhow::bail!(
                     "{engine} at {n} tokens failed: {}",
@@ -194,13 +199,17 @@ fn llama_bench(
     decode: usize,
 ) -> anyhow::Result<Vec<BenchRecord>> {
     let rate = |extra: &[String]| -> anyhow::Result<f64> {
-        let out = Command::new(bin)
-            .arg("-m")
-            .arg(model)
-            .args(["-t", "2", "-r", "2", "-o", "json"])
-            .args(extra)
-            .output()
-            .map_err(|e| anyhow::anyhow!("cannot run {}: {e}", bin.display()))?;
+        let out = wait::output_within(
+            Command::new(bin)
+                .arg("-m")
+                .arg(model)
+                .args(["-t", "2", "-r", "2", "-o", "json"])
+                .args(extra),
+            wait::setting(wait::BENCH_TIMEOUT)?,
+            "llama-bench",
+            wait::BENCH_TIMEOUT.0,
+        )
+        .map_err(|e| anyhow::anyhow!("cannot run {}: {e}", bin.display()))?;
         if !out.status.success() {
             anyhow::bail!(
                 "llama-bench failed ({}): {}",

@@ -17,7 +17,6 @@ use headwise::model::{LoadedModel, ModelId, Numerics};
 use headwise::provenance::Made;
 use headwise::results::write_atomic;
 use headwise::tasks::{self, Encoder, Haystack, TaskKind, TaskSpec};
-use indicatif::{ProgressBar, ProgressStyle};
 
 #[derive(Args, Debug)]
 pub struct DynamicsArgs {
@@ -205,9 +204,9 @@ pub fn run_ablation(args: DynamicAblationArgs) -> anyhow::Result<()> {
         max_new: args.max_new,
         teacher: false,
     };
-    let bar = ProgressBar::new(examples.len() as u64).with_style(
-        ProgressStyle::with_template("{bar:40} {pos}/{len} prompts, {elapsed} elapsed, ETA {eta}")
-            .expect("a valid template"),
+    let bar = super::progress(
+        examples.len() as u64,
+        "{bar:40} {pos}/{len} prompts, {elapsed} elapsed, ETA {eta}",
     );
     let variants = [
         Variant::None,
@@ -223,7 +222,10 @@ pub fn run_ablation(args: DynamicAblationArgs) -> anyhow::Result<()> {
     for (i, ex) in examples.iter().enumerate() {
         let a = ablate_example(&lm, ex, &cfg, &static_heads, args.mode, i as u64)?;
         for (v, run) in &a.runs {
-            let slot = variants.iter().position(|x| x == v).expect("known variant");
+            let slot = variants
+                .iter()
+                .position(|x| x == v)
+                .ok_or(headwise::Error::Internal("every variant run is listed"))?;
             let text = lm.decode(&run.tokens)?;
             correct[slot] += usize::from(contains_answer(&ex.answers, &text) == 1.0);
             steps[slot] += run.tokens.len();

@@ -8,9 +8,9 @@ use headwise::eval::kv_budget::{self, BudgetSpec};
 use headwise::eval::report::write_report;
 use headwise::eval::run::{RunOptions, Runner, Shard};
 use headwise::eval::spec::EvalSpec;
+use headwise::lock::OutputLock;
 use headwise::model::{LoadedModel, ModelId, Numerics};
 use headwise::provenance::Made;
-use indicatif::{ProgressBar, ProgressStyle};
 
 use super::ModelArgs;
 
@@ -98,8 +98,13 @@ pub fn run(cmd: EvalCommand) -> anyhow::Result<()> {
             let id = ModelId::of_file(&path)?;
             let numerics = model.numerics_or(Numerics::Fast);
             let lm = LoadedModel::load(&path, numerics)?;
+            let out_dir = out.join(&id.name).join(&spec.name);
+            let _lock = OutputLock::acquire(
+                &out_dir,
+                &format!("run-shard-{}-of-{}", shard.index, shard.count),
+            )?;
             let opts = RunOptions {
-                out_dir: out.join(&id.name).join(&spec.name),
+                out_dir,
                 limit,
                 shard,
                 made: Made::now(numerics.name()),
@@ -108,11 +113,9 @@ pub fn run(cmd: EvalCommand) -> anyhow::Result<()> {
             for w in &runner.warnings {
                 eprintln!("note: {w}");
             }
-            let bar = ProgressBar::new(runner.planned() as u64).with_style(
-                ProgressStyle::with_template(
-                    "{bar:40} {pos}/{len} answers, {elapsed} elapsed, ETA {eta} {msg}",
-                )
-                .expect("a valid template"),
+            let bar = super::progress(
+                runner.planned() as u64,
+                "{bar:40} {pos}/{len} answers, {elapsed} elapsed, ETA {eta} {msg}",
             );
             let stats = runner.run(Some(&bar))?;
             bar.finish_and_clear();
@@ -141,11 +144,10 @@ pub fn run(cmd: EvalCommand) -> anyhow::Result<()> {
             let numerics = model.numerics_or(Numerics::Fast);
             let lm = LoadedModel::load(&path, numerics)?;
             let dir = out.join(&id.name).join(&spec.name);
-            let bar = ProgressBar::new(0).with_style(
-                ProgressStyle::with_template(
-                    "{bar:40} {pos}/{len} answers, {elapsed} elapsed, ETA {eta} {msg}",
-                )
-                .expect("a valid template"),
+            let _lock = OutputLock::acquire(&dir, "kv-budget")?;
+            let bar = super::progress(
+                0,
+                "{bar:40} {pos}/{len} answers, {elapsed} elapsed, ETA {eta} {msg}",
             );
             let made = Made::now(numerics.name());
             let n = kv_budget::run(&spec, &lm, &id, &dir, limit, &made, Some(&bar))?;
@@ -176,9 +178,10 @@ fn rag(args: SweepArgs, report_only: bool) -> anyhow::Result<()> {
     let numerics = model.numerics_or(Numerics::Fast);
     let lm = LoadedModel::load(&path, numerics)?;
     let dir = out.join(&id.name).join(&spec.name);
-    let bar = ProgressBar::new(0).with_style(
-        ProgressStyle::with_template("{bar:40} {pos}/{len} answers, {elapsed} elapsed, ETA {eta}")
-            .expect("a valid template"),
+    let _lock = OutputLock::acquire(&dir, "rag")?;
+    let bar = super::progress(
+        0,
+        "{bar:40} {pos}/{len} answers, {elapsed} elapsed, ETA {eta}",
     );
     let n = match report_only {
         true => 0,

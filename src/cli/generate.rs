@@ -48,9 +48,10 @@ pub struct GenerateArgs {
     /// Nucleus sampling mass in (0, 1].
     #[arg(long)]
     top_p: Option<f64>,
-    /// Sampling seed.
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
+    /// Sampling seed [default: 0]; the instrumented engine only (mistral.rs samples with
+    /// its own fixed seed).
+    #[arg(long)]
+    seed: Option<u64>,
     /// Engine.
     #[arg(long, value_enum, default_value = "instrumented")]
     engine: Engine,
@@ -80,7 +81,7 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     let sampling = Sampling {
         temperature: args.temperature,
         top_p: args.top_p,
-        seed: args.seed,
+        seed: args.seed.unwrap_or(0),
     };
     sampling.validate()?;
     let path = args.model.resolve()?;
@@ -98,6 +99,11 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     }
     match args.engine {
         Engine::Instrumented => instrumented(&args, &prompt, sampling, &path),
+        #[cfg(feature = "mistralrs")]
+        Engine::Mistralrs if args.seed.is_some() => anyhow::bail!(
+            "--seed is not supported by --engine mistralrs: mistral.rs seeds its sampler \
+             with a fixed value of its own; use --engine instrumented"
+        ),
         #[cfg(feature = "mistralrs")]
         Engine::Mistralrs => reference(&args, &prompt, &path),
     }

@@ -12,7 +12,6 @@ use headwise::heads::run::{aggregate, LocosSteps, Scorer, TrialOutcome};
 use headwise::model::{LoadedModel, ModelId, Numerics};
 use headwise::provenance::Made;
 use headwise::tasks::{self, Haystack, TaskKind, TaskSpec};
-use indicatif::{ProgressBar, ProgressStyle};
 
 use super::ModelArgs;
 
@@ -246,6 +245,7 @@ fn score(args: &ScoreArgs) -> anyhow::Result<()> {
     let path = args.model.resolve()?;
     let id = ModelId::of_file(&path)?;
     let dir = args.out_dir.join(&id.name);
+    let _lock = headwise::lock::OutputLock::acquire(&dir, &format!("score-{}", args.task.name()))?;
     let methods: &[&str] = match args.method {
         Method::Wu => &["wu"],
         Method::Locos => &["locos"],
@@ -296,11 +296,9 @@ fn score(args: &ScoreArgs) -> anyhow::Result<()> {
     }
     headwise::results::write_atomic(&partial, text.as_bytes())?;
     let mut log = std::fs::OpenOptions::new().append(true).open(&partial)?;
-    let bar = ProgressBar::new(trials.len() as u64).with_style(
-        ProgressStyle::with_template(
-            "{bar:40} {pos}/{len} trials, {elapsed} elapsed, ETA {eta} {msg}",
-        )
-        .expect("a valid template"),
+    let bar = super::progress(
+        trials.len() as u64,
+        "{bar:40} {pos}/{len} trials, {elapsed} elapsed, ETA {eta} {msg}",
     );
     bar.set_position(done.len() as u64);
     let scorer = Scorer::new(&lm)?.with_locos_steps(args.locos_steps);

@@ -7,7 +7,6 @@ use clap::{Args, Subcommand};
 use headwise::heads::trace::Trace;
 use headwise::probe::{train, Metrics, TrainOptions};
 use headwise::provenance::Made;
-use indicatif::{ProgressBar, ProgressStyle};
 
 #[derive(Subcommand, Debug)]
 pub enum PolicyCommand {
@@ -82,9 +81,9 @@ fn train_probe(args: TrainProbeArgs) -> anyhow::Result<()> {
         opts.probe.lr = lr;
     }
     opts.split_seed = args.split_seed;
-    let bar = ProgressBar::new(opts.probe.max_epochs as u64).with_style(
-        ProgressStyle::with_template("{bar:40} epoch {pos}/{len}, {elapsed} elapsed {msg}")
-            .expect("a valid template"),
+    let bar = super::progress(
+        opts.probe.max_epochs as u64,
+        "{bar:40} epoch {pos}/{len}, {elapsed} elapsed {msg}",
     );
     let probe = train(&trace, &opts, &mut |log| {
         bar.set_position(log.epoch as u64);

@@ -6,8 +6,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Args, Subcommand};
+use headwise::http::Timeouts;
 use headwise::rag::corpus::{self, CorpusFormat};
-use headwise::rag::{search_server, Bm25Index, HttpRetriever, Retriever};
+use headwise::rag::retriever::MAX_K;
+use headwise::rag::search_server::{self, SearchLimits};
+use headwise::rag::{Bm25Index, HttpRetriever, Retriever};
 
 #[derive(Subcommand, Debug)]
 pub enum RetrieverCommand {
@@ -45,6 +48,18 @@ pub struct ServeArgs {
     /// Port, 0 for any free one (printed at start).
     #[arg(long, default_value_t = 9200)]
     port: u16,
+    /// Seconds a search may run before it is answered 504.
+    #[arg(long, default_value_t = 10.0, value_parser = super::seconds)]
+    request_timeout: f64,
+    /// Seconds a client has to send a request's headers.
+    #[arg(long, default_value_t = 10.0, value_parser = super::seconds)]
+    header_read_timeout: f64,
+    /// Seconds an idle keep-alive connection stays open.
+    #[arg(long, default_value_t = 60.0, value_parser = super::seconds)]
+    idle_timeout: f64,
+    /// Seconds a client has to send a request's body.
+    #[arg(long, default_value_t = 30.0, value_parser = super::seconds)]
+    body_timeout: f64,
 }
 
 #[derive(Args, Debug)]
@@ -60,11 +75,12 @@ pub struct SearchArgs {
     /// The index name at --url.
     #[arg(long, default_value = "wiki")]
     name: String,
-    /// Passages to return.
-    #[arg(long, default_value_t = 3)]
+    /// Passages to return (1 to 1000).
+    #[arg(long, default_value_t = 3,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=MAX_K as u64))]
     k: usize,
     /// Seconds per HTTP request.
-    #[arg(long, default_value_t = 10.0)]
+    #[arg(long, default_value_t = 10.0, value_parser = super::seconds)]
     timeout: f64,
 }
 
@@ -94,16 +110,26 @@ pub fn run(cmd: RetrieverCommand) -> anyhow::Result<()> {
                     index.meta().passages,
                     listener.local_addr()?
                 );
-                axum::serve(listener, search_server::router(index, &a.name))
-                    .with_graceful_shutdown(super::serve::shutdown_signal())
+                let limits = SearchLimits {
+                    request_timeout: Duration::from_secs_f64(a.request_timeout),
+                    http: Timeouts {
+                        header_read: Duration::from_secs_f64(a.header_read_timeout),
+                        idle: Duration::from_secs_f64(a.idle_timeout),
+                        body: Duration::from_secs_f64(a.body_timeout),
+                    },
+                    ..SearchLimits::default()
+                };
+                let app = search_server::router(index, &a.name, limits);
+                headwise::http::serve(listener, app, limits.http, super::serve::shutdown_signal())
                     .await?;
-                Ok(())
-            })
+                anyhow::Ok(())
+            })?;
+            // A search past its deadline may still run on a blocking thread: it is not
+            // waited for.
+            rt.shutdown_timeout(Duration::from_secs(1));
+            Ok(())
         }
         RetrieverCommand::Search(a) => {
-            if !(a.timeout.is_finite() && a.timeout > 0.0) {
-                anyhow::bail!("--timeout must be a positive number of seconds");
-            }
             let retriever: Box<dyn Retriever> = match (&a.index, &a.url) {
                 (Some(dir), _) => Box::new(Bm25Index::open(dir)?),
                 (None, Some(url)) => Box::new(HttpRetriever::new(

@@ -11,7 +11,6 @@ use headwise::heads::trace::{
 use headwise::model::{Interventions, LoadedModel, ModelId, Numerics};
 use headwise::provenance::Made;
 use headwise::tasks::{self, Encoder, Haystack, TaskKind, TaskSpec};
-use indicatif::{ProgressBar, ProgressStyle};
 
 use super::ModelArgs;
 
@@ -109,11 +108,9 @@ pub fn run(args: TraceArgs) -> anyhow::Result<()> {
     };
     let mc = lm.model.config();
     let mut trace = Trace::empty(kind, mc.n_layers, mc.n_heads, mc.d_model);
-    let bar = ProgressBar::new(examples.len() as u64).with_style(
-        ProgressStyle::with_template(
-            "{bar:40} {pos}/{len} prompts, {elapsed} elapsed, ETA {eta} {msg}",
-        )
-        .expect("a valid template"),
+    let bar = super::progress(
+        examples.len() as u64,
+        "{bar:40} {pos}/{len} prompts, {elapsed} elapsed, ETA {eta} {msg}",
     );
     let none = Interventions::new();
     for (i, ex) in examples.iter().enumerate() {

@@ -18,6 +18,7 @@ use serde_json::{json, Value};
 
 use crate::engine::GreedyTrace;
 use crate::model::ggml::Simd;
+use crate::wait;
 use crate::{Error, Result};
 
 /// Where the workplace's build script puts the binaries, under `$HOME`.
@@ -65,9 +66,6 @@ impl Attention {
         [("GGML_CPU_TILED_MM", tiled)]
     }
 }
-
-/// How long `llama-server` may take to load a model.
-const STARTUP: Duration = Duration::from_secs(120);
 
 fn err(msg: impl Into<String>) -> Error {
     Error::LlamaCpp(msg.into())
@@ -136,12 +134,14 @@ impl LlamaCppBins {
             if !path.is_file() {
                 return Err(err(format!("{} missing", path.display())));
             }
-            let status = Command::new(&path)
-                .arg("--version")
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .status()
-                .map_err(|e| err(format!("{}: {e}", path.display())))?;
+            let status = wait::output_within(
+                Command::new(&path).arg("--version"),
+                wait::setting(wait::LLAMA_STARTUP)?,
+                &format!("{name} --version"),
+                wait::LLAMA_STARTUP.0,
+            )
+            .map_err(|e| err(format!("{}: {e}", path.display())))?
+            .status;
             if !status.success() {
                 return Err(err(format!("{} does not run ({status})", path.display())));
             }
@@ -169,17 +169,21 @@ impl LlamaCppBins {
         chunks: usize,
         threads: usize,
     ) -> Result<(f64, String)> {
-        let out = Command::new(self.bin("llama-perplexity"))
-            .arg("-m")
-            .arg(model)
-            .arg("-f")
-            .arg(text_file)
-            .args(["-c", &n_ctx.to_string(), "-b", &n_ctx.to_string()])
-            .args(["--chunks", &chunks.to_string(), "-t", &threads.to_string()])
-            .args(Attention::F32.flags())
-            .envs(Attention::F32.env())
-            .output()
-            .map_err(|e| err(format!("llama-perplexity: {e}")))?;
+        let out = wait::output_within(
+            Command::new(self.bin("llama-perplexity"))
+                .arg("-m")
+                .arg(model)
+                .arg("-f")
+                .arg(text_file)
+                .args(["-c", &n_ctx.to_string(), "-b", &n_ctx.to_string()])
+                .args(["--chunks", &chunks.to_string(), "-t", &threads.to_string()])
+                .args(Attention::F32.flags())
+                .envs(Attention::F32.env()),
+            wait::setting(wait::LLAMA_TIMEOUT)?,
+            "llama-perplexity",
+            wait::LLAMA_TIMEOUT.0,
+        )
+        .map_err(|e| err(format!("llama-perplexity: {e}")))?;
         let text = format!(
             "{}{}",
             String::from_utf8_lossy(&out.stdout),
@@ -269,8 +273,9 @@ impl LlamaServer {
             .stderr(log_file)
             .spawn()
             .map_err(|e| err(format!("llama-server: {e}")))?;
+        let startup = wait::setting(wait::LLAMA_STARTUP)?;
         let client = reqwest::blocking::Client::builder()
-            .timeout(Duration::from_secs(600))
+            .timeout(wait::setting(wait::LLAMA_TIMEOUT)?)
             .build()
             .map_err(|e| err(format!("HTTP client: {e}")))?;
         let mut server = Self {
@@ -279,13 +284,14 @@ impl LlamaServer {
             client,
             log,
         };
-        server.wait_healthy()?;
+        server.wait_healthy(startup)?;
         Ok(server)
     }
 
-    fn wait_healthy(&mut self) -> Result<()> {
+    /// Poll `/health` until the model is loaded, at most `startup`.
+    fn wait_healthy(&mut self, startup: Duration) -> Result<()> {
         let started = Instant::now();
-        while started.elapsed() < STARTUP {
+        while started.elapsed() < startup {
             if let Ok(Some(status)) = self.child.try_wait() {
                 return Err(err(format!(
                     "llama-server exited ({status}) while loading: {}",
@@ -304,8 +310,9 @@ impl LlamaServer {
             std::thread::sleep(Duration::from_millis(250));
         }
         Err(err(format!(
-            "llama-server not healthy after {} s: {}",
-            STARTUP.as_secs(),
+            "llama-server not healthy after {} s (raise {} to wait longer): {}",
+            startup.as_secs(),
+            wait::LLAMA_STARTUP.0,
             self.log_tail()
         )))
     }

@@ -113,10 +113,12 @@ impl MistralRsEngine {
     ///
     /// Loading includes mistral.rs's own one-token warm-up run.
     ///
-    /// Errors: [`Error::Io`] if the file cannot be opened, [`Error::Engine`] if
-    /// mistral.rs cannot load it.
+    /// Errors: [`Error::Io`] if the file cannot be opened, [`Error::BadGguf`] if its header
+    /// is corrupt, [`Error::Engine`] if mistral.rs cannot load it.
     pub fn load(gguf_path: &Path) -> Result<Self> {
-        std::fs::File::open(gguf_path).map_err(|e| Error::io(gguf_path, e))?;
+        // headwise's own checked reader first: mistral.rs's would allocate from a corrupt
+        // header's counts before noticing.
+        crate::model::gguf::GgufFile::open(gguf_path)?;
         let model_id = gguf_path
             .file_name()
             .map(|name| name.to_string_lossy().into_owned())
@@ -463,6 +465,13 @@ impl MistralRsEngine {
         if messages.is_empty() {
             return Err(Error::invalid("messages", "at least one message is needed"));
         }
+        // The messages' own tokens: a lower bound on the rendered prompt (the template
+        // adds a few), enough to refuse what cannot fit before mistral.rs runs.
+        let mut content_tokens = 0usize;
+        for (_, content) in messages {
+            content_tokens += self.tokenize(content, false)?.len();
+        }
+        self.check_room(content_tokens, max_new)?;
         let messages = messages
             .iter()
             .map(|(role, content)| {
@@ -498,6 +507,7 @@ impl MistralRsEngine {
         if prompt.is_empty() {
             return Err(Error::invalid("prompt", "must not be empty"));
         }
+        self.check_room(self.tokenize(prompt, true)?.len(), max_new)?;
         let message = RequestMessage::Completion {
             text: prompt.to_string(),
             echo_prompt: false,
@@ -654,9 +664,15 @@ impl MistralRsEngine {
                 format!("id {bad} is outside the vocabulary of {}", self.vocab_size),
             ));
         }
-        if tokens.len() + max_new > self.max_seq_len {
+        self.check_room(tokens.len(), max_new)
+    }
+
+    /// Errors with [`Error::ContextOverflow`] unless `prompt` tokens plus `max_new` fit
+    /// the context.
+    fn check_room(&self, prompt: usize, max_new: usize) -> Result<()> {
+        if prompt.saturating_add(max_new) > self.max_seq_len {
             return Err(Error::ContextOverflow {
-                prompt: tokens.len(),
+                prompt,
                 max_new,
                 context: self.max_seq_len,
             });

@@ -127,11 +127,11 @@ impl HeadSet {
                     edits.set_query(layer, head, QueryEdit::Uniform);
                 }
                 AblationMode::MeanOutput => {
-                    let c = calibration.expect("checked above");
+                    let c = calibration.ok_or(Error::Internal("calibration is checked present"))?;
                     edits.set_output(layer, head, OutputEdit::Replace(c.output(layer, head)?));
                 }
                 AblationMode::MeanQuery => {
-                    let c = calibration.expect("checked above");
+                    let c = calibration.ok_or(Error::Internal("calibration is checked present"))?;
                     edits.set_query(layer, head, QueryEdit::Replace(c.query(layer, head)?));
                 }
             }

@@ -115,12 +115,9 @@ impl BudgetSpec {
                 format!("{}: no such file", path.display()),
             ));
         }
-        let spec: BudgetSpec = Figment::from(Toml::file(path)).extract().map_err(|e| {
-            Error::invalid(
-                "spec",
-                format!("{}: {}", path.display(), e.to_string().replace('\n', " ")),
-            )
-        })?;
+        let spec: BudgetSpec = Figment::from(Toml::file(path))
+            .extract()
+            .map_err(|e| Error::invalid("spec", crate::error::figment_message(&e)))?;
         spec.validate()
             .map_err(|e| Error::invalid("spec", format!("{}: {e}", path.display())))?;
         Ok(spec)
@@ -134,7 +131,11 @@ impl BudgetSpec {
             }
             p.policy.validate()?;
         }
-        if !self.policies.iter().any(|p| p.policy == PolicyConfig::Full) {
+        if !self
+            .policies
+            .iter()
+            .any(|p| p.policy == PolicyConfig::Full {})
+        {
             return Err(Error::invalid(
                 "policy",
                 "the sweep needs a `full` policy (the reference for kv_fraction)",
@@ -448,7 +449,7 @@ pub fn write_report(dir: &Path) -> Result<Vec<ResultRecord>> {
         .spec
         .policies
         .iter()
-        .find(|p| p.policy == PolicyConfig::Full)
+        .find(|p| p.policy == PolicyConfig::Full {})
         .map(|p| p.name.clone())
         .ok_or_else(|| Error::invalid("report", "run.json names no `full` policy"))?;
     let full_bytes: BTreeMap<(String, String), usize> = records

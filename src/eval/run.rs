@@ -306,6 +306,7 @@ impl<'a> Runner<'a> {
                         ),
                     ));
                 }
+                r.check_model(cfg.n_layers, cfg.n_heads, cfg.n_kv_heads)?;
                 rankings.insert(s.name.clone(), r);
             }
         }
@@ -726,7 +727,9 @@ impl<'d> Sources<'d> {
             let dir = self.dir("haystack/paul_graham")?;
             self.haystack = Some(Haystack::from_dir(&dir)?);
         }
-        Ok(self.haystack.as_ref().expect("just loaded"))
+        self.haystack
+            .as_ref()
+            .ok_or(Error::Internal("the haystack was just loaded"))
     }
 
     pub(crate) fn examples(
@@ -771,7 +774,10 @@ impl<'d> Sources<'d> {
             TaskSource::Babilong(n) => {
                 let dir = self.dir("babi")?;
                 self.haystack()?;
-                let hay = self.haystack.as_ref().expect("loaded");
+                let hay = self
+                    .haystack
+                    .as_ref()
+                    .ok_or(Error::Internal("the haystack was just loaded"))?;
                 loaded(babilong::load(
                     &dir,
                     n,

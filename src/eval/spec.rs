@@ -200,7 +200,7 @@ impl EvalSpec {
         }
         let spec: EvalSpec = Figment::from(Toml::file(path))
             .extract()
-            .map_err(|e| Error::invalid("spec", format!("{}: {e}", path.display())))?;
+            .map_err(|e| Error::invalid("spec", crate::error::figment_message(&e)))?;
         spec.validate()
             .map_err(|e| Error::invalid("spec", format!("{}: {e}", path.display())))?;
         Ok(spec)

@@ -137,7 +137,75 @@ impl Ranking {
                 ),
             ));
         }
+        r.validate()
+            .map_err(|reason| Error::invalid("ranking", format!("{}: {reason}", path.display())))?;
         Ok(r)
+    }
+
+    /// Check that the ranking is what its shape says: `n_layers` x `n_heads` query
+    /// heads and `n_layers` x `n_kv_heads` KV heads, each exactly once and in order, with
+    /// no score NaN. Every reader relies on this, so [`Self::load`] runs it.
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        let (layers, heads, kv) = (self.n_layers, self.n_heads, self.n_kv_heads);
+        if layers == 0 || heads == 0 || kv == 0 || heads % kv != 0 {
+            return Err(format!(
+                "{layers} layers x {heads} heads with {kv} KV heads: all must be positive and \
+                 the KV heads must divide the heads"
+            ));
+        }
+        let n_heads = layers.checked_mul(heads);
+        if n_heads != Some(self.heads.len()) {
+            return Err(format!(
+                "{} head scores for {layers} layers x {heads} heads",
+                self.heads.len()
+            ));
+        }
+        if layers.checked_mul(kv) != Some(self.kv_heads.len()) {
+            return Err(format!(
+                "{} KV head scores for {layers} layers x {kv} KV heads",
+                self.kv_heads.len()
+            ));
+        }
+        let group = heads / kv;
+        for (i, h) in self.heads.iter().enumerate() {
+            let want = (i / heads, i % heads, (i % heads) / group);
+            if (h.layer, h.head, h.kv_head) != want || h.score.is_nan() {
+                return Err(format!(
+                    "head entry {i} is (layer {}, head {}, kv head {}, score {}); expected \
+                     (layer {}, head {}, kv head {}) with a score",
+                    h.layer, h.head, h.kv_head, h.score, want.0, want.1, want.2
+                ));
+            }
+        }
+        for (i, h) in self.kv_heads.iter().enumerate() {
+            if (h.layer, h.kv_head) != (i / kv, i % kv) || h.max.is_nan() || h.mean.is_nan() {
+                return Err(format!(
+                    "KV head entry {i} is (layer {}, kv head {}); expected (layer {}, kv head \
+                     {}) with scores",
+                    h.layer,
+                    h.kv_head,
+                    i / kv,
+                    i % kv
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Errors unless the ranking's shape is the model's (`n_layers` x `n_heads` with
+    /// `n_kv_heads`).
+    pub fn check_model(&self, n_layers: usize, n_heads: usize, n_kv_heads: usize) -> Result<()> {
+        if (self.n_layers, self.n_heads, self.n_kv_heads) != (n_layers, n_heads, n_kv_heads) {
+            return Err(Error::invalid(
+                "ranking",
+                format!(
+                    "ranks {} layers x {} heads ({} KV), the model has {n_layers} x {n_heads} \
+                     ({n_kv_heads} KV)",
+                    self.n_layers, self.n_heads, self.n_kv_heads
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// Write atomically as pretty JSON.

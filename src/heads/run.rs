@@ -23,7 +23,7 @@ use crate::model::{
     argmax, Interventions, KvCache, LoadedModel, Logits, NoObserver, Observer, Wants,
 };
 use crate::tasks::Trial;
-use crate::Result;
+use crate::{Error, Result};
 
 /// Which decoding steps LOCOS scores.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -171,7 +171,9 @@ impl<'a> Scorer<'a> {
             model.forward(head, &mut cache, Logits::Last, &mut NoObserver, &none)?;
         }
         let mut sum = HeadMatrix::zeros(cfg.n_layers, cfg.n_heads);
-        let mut input = *prompt.last().expect("prompts are never empty");
+        let mut input = *prompt
+            .last()
+            .ok_or(Error::Internal("prompts are never empty"))?;
         for &y in &trial.answer_tokens {
             let mut obs = StepObserver::new(cfg.n_layers, true);
             model.forward(&[input], &mut cache, Logits::Last, &mut obs, &none)?;
@@ -203,7 +205,9 @@ impl<'a> Scorer<'a> {
         }
         let mut sequence = prompt.clone();
         let mut generated: Vec<u32> = Vec::new();
-        let mut input = *prompt.last().expect("prompts are never empty");
+        let mut input = *prompt
+            .last()
+            .ok_or(Error::Internal("prompts are never empty"))?;
         let mut candidates: Vec<Option<HeadMatrix>> = Vec::with_capacity(max_new);
         // Greedy LOCOS needs the values of every step; Wu only the attention.
         let greedy = self.steps == LocosSteps::Greedy;

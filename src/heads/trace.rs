@@ -226,7 +226,9 @@ pub fn record_steps(
     }
     let mut out = ExampleSteps::default();
     let mut sequence = prompt.clone();
-    let mut input = *prompt.last().expect("checked non-empty");
+    let mut input = *prompt
+        .last()
+        .ok_or(Error::Internal("prompts are checked non-empty"))?;
     for step in 0..cfg.max_new {
         let edits = edits_at(step);
         let mut obs = StepObserver {
@@ -319,25 +321,12 @@ impl Trace {
         let tensors: HashMap<String, Tensor> = [
             (
                 "features",
-                Tensor::from_slice(
-                    self.features
-                        .as_standard_layout()
-                        .as_slice()
-                        .expect("standard layout"),
-                    self.features.dim(),
-                    dev,
-                )?,
+                Tensor::from_iter(self.features.iter().copied(), dev)?
+                    .reshape(self.features.dim())?,
             ),
             (
                 "labels",
-                Tensor::from_slice(
-                    self.labels
-                        .as_standard_layout()
-                        .as_slice()
-                        .expect("standard layout"),
-                    self.labels.dim(),
-                    dev,
-                )?,
+                Tensor::from_iter(self.labels.iter().copied(), dev)?.reshape(self.labels.dim())?,
             ),
             ("prompt", Tensor::from_vec(to_u32(&self.prompt), n, dev)?),
             ("step", Tensor::from_vec(to_u32(&self.step), n, dev)?),

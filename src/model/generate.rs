@@ -133,7 +133,7 @@ impl GenerateOptions {
         if self.max_new == 0 {
             return Err(Error::invalid("max-tokens", "0 (must be at least 1)"));
         }
-        if prompt + self.max_new > context {
+        if prompt.saturating_add(self.max_new) > context {
             return Err(Error::ContextOverflow {
                 prompt,
                 max_new: self.max_new,

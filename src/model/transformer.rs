@@ -395,7 +395,8 @@ impl Model {
             Ok(())
         })?;
         Ok(if outs.len() == 1 {
-            outs.pop().expect("one element")
+            outs.pop()
+                .ok_or(Error::Internal("one output per sequence"))?
         } else {
             Tensor::cat(&outs, 0)?
         })

@@ -46,7 +46,7 @@ fn default_window() -> usize {
 #[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
 pub enum PolicyConfig {
     /// No compression: every head keeps every position.
-    Full,
+    Full {},
     /// Every head keeps `sink` + `window` positions (StreamingLLM).
     Window {
         #[serde(default = "default_sink")]
@@ -196,13 +196,17 @@ impl PolicyConfig {
                 .split_once('=')
                 .ok_or_else(|| format!("override `{pair}`: expected key=value"))?;
             let value: toml::Value = match toml::from_str::<toml::Table>(&format!("v = {value}")) {
-                Ok(mut t) => t.remove("v").expect("parsed key"),
+                Ok(mut t) => t
+                    .remove("v")
+                    .unwrap_or_else(|| toml::Value::String(value.to_string())),
                 // A bare word is a string (`type=window`).
                 Err(_) => toml::Value::String(value.to_string()),
             };
             fig = fig.merge(Serialized::global(key.trim(), value));
         }
-        let policy: PolicyConfig = fig.extract().map_err(|e| one_line(&e))?;
+        let policy: PolicyConfig = fig
+            .extract()
+            .map_err(|e| crate::error::figment_message(&e))?;
         policy.validate().map_err(|e| e.to_string())?;
         Ok(policy)
     }
@@ -211,7 +215,7 @@ impl PolicyConfig {
     /// its parts with `+`).
     pub fn name(&self) -> String {
         match self {
-            PolicyConfig::Full => "full".into(),
+            PolicyConfig::Full {} => "full".into(),
             PolicyConfig::Window { .. } => "window".into(),
             PolicyConfig::StaticHeads { .. } => "static_heads".into(),
             PolicyConfig::DynamicHeads { oracle: true, .. } => "dynamic_oracle".into(),
@@ -236,7 +240,7 @@ impl PolicyConfig {
             Ok(())
         };
         match self {
-            PolicyConfig::Full => Ok(()),
+            PolicyConfig::Full {} => Ok(()),
             PolicyConfig::Window { window: w, .. } => window(*w),
             PolicyConfig::StaticHeads {
                 heads, window: w, ..
@@ -360,11 +364,6 @@ impl HeadChoice {
     }
 }
 
-/// A figment error as one line.
-fn one_line(e: &figment::Error) -> String {
-    e.to_string().replace('\n', " ")
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -372,7 +371,7 @@ mod tests {
     fn parse(text: &str) -> Result<PolicyConfig> {
         let policy: PolicyConfig = Figment::from(Toml::string(text))
             .extract()
-            .map_err(|e| Error::invalid("policy", one_line(&e)))?;
+            .map_err(|e| Error::invalid("policy", crate::error::figment_message(&e)))?;
         policy.validate()?;
         Ok(policy)
     }
@@ -456,7 +455,7 @@ mod tests {
         assert!(err.to_string().contains("p.toml"), "{err}");
         assert!(PolicyConfig::load(&dir.join("missing.toml"), &[]).is_err());
         let p = PolicyConfig::from_overrides(&["type=full".into()]).unwrap();
-        assert_eq!(p, PolicyConfig::Full);
+        assert_eq!(p, PolicyConfig::Full {});
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

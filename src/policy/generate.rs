@@ -201,7 +201,9 @@ pub fn generate(
     let mut active_sum = 0usize;
     let mut steps = 0usize;
     let mut tokens = Vec::with_capacity(opts.max_new);
-    let mut input = *prompt.last().expect("checked non-empty");
+    let mut input = *prompt
+        .last()
+        .ok_or(Error::Internal("prompts are checked non-empty"))?;
     let mut prefill_secs = 0.0;
     let no_labels = vec![0.0; cfg.n_layers * cfg.n_heads];
     let mut t1 = Instant::now();
@@ -209,7 +211,8 @@ pub fn generate(
         if let Some(d) = &plan.dynamic {
             let flags = match &d.source {
                 DynamicSource::Oracle => {
-                    let labels = oracle.expect("checked above");
+                    let labels =
+                        oracle.ok_or(Error::Internal("oracle labels are checked present"))?;
                     let step = labels.get(steps).unwrap_or(&no_labels);
                     plan.active_kv_heads(step, 0.5, d.gqa)
                 }

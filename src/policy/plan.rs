@@ -84,7 +84,7 @@ impl Plan {
     fn apply(&mut self, p: &PolicyConfig, cfg: &Config, id: &ModelId, base: &Path) -> Result<()> {
         let ctx = Ctx { cfg, id, base };
         match p {
-            PolicyConfig::Full => {}
+            PolicyConfig::Full {} => {}
             PolicyConfig::Window {
                 sink,
                 window,
@@ -135,7 +135,11 @@ impl Plan {
                 let source = if *oracle {
                     DynamicSource::Oracle
                 } else {
-                    let path = ctx.path(probe.as_ref().expect("validated"));
+                    let path = ctx.path(
+                        probe
+                            .as_ref()
+                            .ok_or(Error::Internal("validated: a probe"))?,
+                    );
                     let probe = crate::probe::Probe::load(&path)?;
                     probe.check_model(cfg.d_model, cfg.n_layers * cfg.n_heads, Some(&id.sha256))?;
                     let threshold = threshold.or(probe.threshold()).unwrap_or(0.5);
@@ -293,7 +297,10 @@ impl Ctx<'_> {
                 scores: None,
             });
         }
-        let select = choice.select.as_ref().expect("validated");
+        let select = choice
+            .select
+            .as_ref()
+            .ok_or(Error::Internal("validated: a selection"))?;
         let count_in_range = |k: usize| -> Result<usize> {
             if k > n_candidates {
                 return Err(Error::invalid(
@@ -319,7 +326,12 @@ impl Ctx<'_> {
                 scores: None,
             });
         }
-        let path = self.path(choice.ranking.as_ref().expect("validated"));
+        let path = self.path(
+            choice
+                .ranking
+                .as_ref()
+                .ok_or(Error::Internal("validated: a ranking"))?,
+        );
         let ranking = Ranking::load(&path)?;
         let p = &ranking.provenance;
         if !p.model_sha256.eq_ignore_ascii_case(&self.id.sha256)

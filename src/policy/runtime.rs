@@ -82,7 +82,7 @@ impl RuntimeBuilder {
         let path = self
             .model
             .ok_or_else(|| Error::invalid("model", "no model file given"))?;
-        let mut policy = self.policy.unwrap_or(PolicyConfig::Full);
+        let mut policy = self.policy.unwrap_or(PolicyConfig::Full {});
         if let Some(probe) = self.probe {
             set_probe(&mut policy, probe)?;
         }

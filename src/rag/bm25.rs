@@ -11,19 +11,22 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use tantivy::collector::TopDocs;
-use tantivy::query::{BooleanQuery, Occur, Query, TermQuery};
+use tantivy::query::{BooleanQuery, BoostQuery, Occur, Query, TermQuery};
 use tantivy::schema::{Field, IndexRecordOption, Schema, Value, STORED, STRING, TEXT};
 use tantivy::{doc, Index, IndexReader, ReloadPolicy, TantivyDocument, Term};
 
 use crate::provenance::{Made, NO_MODEL};
 use crate::rag::corpus::Passage;
-use crate::rag::retriever::{Hit, Retriever};
+use crate::rag::retriever::{Hit, Retriever, MAX_K};
 use crate::results::write_atomic;
 use crate::{Error, Result};
 
 /// Version of the index layout below.
 pub const INDEX_SCHEMA_VERSION: u32 = 1;
 const META: &str = "headwise-index.json";
+/// Most distinct terms a query may have in one field; a longer query is refused (a 400
+/// from the search server) rather than searched for minutes.
+pub const MAX_QUERY_TERMS: usize = 1024;
 
 /// What an index folder says about itself.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -190,7 +193,12 @@ impl Bm25Index {
     }
 
     /// The match query: every token of `query` (as each field's analyzer cuts it) as a
-    /// should-clause over `title` and `text`.
+    /// should-clause over `title` and `text`. A token that repeats becomes one clause
+    /// boosted by its count, which scores as the repeated clauses would, so a long query
+    /// costs one clause per distinct token.
+    ///
+    /// Errors: [`Error::InvalidArgument`] beyond [`MAX_QUERY_TERMS`] distinct tokens in a
+    /// field.
     fn query(&self, query: &str) -> Result<Box<dyn Query>> {
         let mut clauses: Vec<(Occur, Box<dyn Query>)> = Vec::new();
         for field in [self.title, self.text] {
@@ -199,12 +207,34 @@ impl Bm25Index {
                 .tokenizer_for_field(field)
                 .map_err(tantivy_err("tokenizer"))?;
             let mut stream = analyzer.token_stream(query);
+            // Distinct tokens in order of first appearance, with their counts.
+            let mut tokens: Vec<(String, u32)> = Vec::new();
+            let mut at: std::collections::HashMap<String, usize> = Default::default();
             while stream.advance() {
-                let term = Term::from_field_text(field, &stream.token().text);
-                clauses.push((
-                    Occur::Should,
-                    Box::new(TermQuery::new(term, IndexRecordOption::WithFreqs)),
-                ));
+                let token = &stream.token().text;
+                if let Some(&i) = at.get(token) {
+                    tokens[i].1 += 1;
+                    continue;
+                }
+                if tokens.len() == MAX_QUERY_TERMS {
+                    return Err(Error::invalid(
+                        "query",
+                        format!("more than {MAX_QUERY_TERMS} distinct terms"),
+                    ));
+                }
+                at.insert(token.clone(), tokens.len());
+                tokens.push((token.clone(), 1));
+            }
+            for (token, count) in tokens {
+                let term = TermQuery::new(
+                    Term::from_field_text(field, &token),
+                    IndexRecordOption::WithFreqs,
+                );
+                let clause: Box<dyn Query> = match count {
+                    1 => Box::new(term),
+                    n => Box::new(BoostQuery::new(Box::new(term), n as f32)),
+                };
+                clauses.push((Occur::Should, clause));
             }
         }
         Ok(Box::new(BooleanQuery::new(clauses)))
@@ -213,6 +243,9 @@ impl Bm25Index {
 
 impl Retriever for Bm25Index {
     fn search(&self, query: &str, k: usize) -> Result<Vec<Hit>> {
+        if k > MAX_K {
+            return Err(Error::invalid("k", format!("{k} (allowed: 0..={MAX_K})")));
+        }
         if k == 0 {
             return Ok(Vec::new());
         }

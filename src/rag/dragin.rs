@@ -264,7 +264,9 @@ pub struct AnswerOptions<'a> {
 /// `n` of the model's `total` heads drawn for the question `id` with `seed`, sorted.
 fn random_heads(total: usize, n: usize, seed: u64, id: &str) -> Vec<usize> {
     let digest = Sha256::digest(id.as_bytes());
-    let salt = u64::from_le_bytes(digest[..8].try_into().expect("8 bytes"));
+    let mut first = [0u8; 8];
+    first.copy_from_slice(&digest[..8]);
+    let salt = u64::from_le_bytes(first);
     let mut rng = SplitMix64::new(seed, salt);
     let mut order: Vec<usize> = (0..total).collect();
     rng.shuffle(&mut order);

@@ -248,7 +248,9 @@ pub fn run(
     let watched: Vec<usize> = match spec.variants.iter().any(uses_heads) {
         true => {
             let ranking = Ranking::load(&sub(&spec.ranking, "ranking")?)?;
-            let n_heads = lm.model.config().n_heads;
+            let cfg = lm.model.config();
+            ranking.check_model(cfg.n_layers, cfg.n_heads, cfg.n_kv_heads)?;
+            let n_heads = cfg.n_heads;
             ranking
                 .top(spec.watched_heads)
                 .iter()
@@ -274,7 +276,9 @@ pub fn run(
         match v.engine {
             EngineKind::Instrumented => Ok(&Instrumented),
             #[cfg(feature = "mistralrs")]
-            EngineKind::Mistralrs => Ok(mistralrs.as_ref().expect("loaded above")),
+            EngineKind::Mistralrs => Ok(mistralrs
+                .as_ref()
+                .ok_or(Error::Internal("mistral.rs is loaded for its variants"))?),
             #[cfg(not(feature = "mistralrs"))]
             EngineKind::Mistralrs => Err(Error::invalid(
                 "engine",

@@ -14,8 +14,12 @@ pub struct Hit {
     pub score: f32,
 }
 
+/// Most passages one search may ask for.
+pub const MAX_K: usize = 1000;
+
 /// Anything that finds passages for a query.
 pub trait Retriever: Send + Sync {
-    /// The best `k` passages for `query`, best first.
+    /// The best `k` passages for `query`, best first; `k` beyond [`MAX_K`] is an
+    /// [`crate::Error::InvalidArgument`].
     fn search(&self, query: &str, k: usize) -> Result<Vec<Hit>>;
 }

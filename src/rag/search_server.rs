@@ -12,40 +12,90 @@
 //! the title and the text are searched. `_source` is `true` (default), `false` or a list
 //! of `id`, `title`, `txt`/`text`. Errors use Elasticsearch's shape
 //! `{"error": {"type", "reason"}, "status"}`.
+//!
+//! Every wait is bounded ([`SearchLimits`]): bodies beyond `max_body_bytes` get 413, a
+//! body not sent within the body timeout 408, and a search still running at
+//! `request_timeout` is answered 504 (queries are capped in terms, so a search ends soon
+//! after, on its blocking thread).
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{Path, State};
+use axum::extract::{Path, Request, State};
 use axum::http::StatusCode;
+use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::{json, Map, Value};
 
+use crate::http::{buffer_body, BodyError, Timeouts};
 use crate::rag::bm25::Bm25Index;
-use crate::rag::retriever::{Hit, Retriever};
+use crate::rag::retriever::{Hit, Retriever, MAX_K as MAX_SIZE};
 
-/// Most hits one request may ask for.
-const MAX_SIZE: usize = 1000;
+/// How much a search request may ask of the server.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SearchLimits {
+    /// A search still running after this long is answered 504.
+    pub request_timeout: Duration,
+    /// Largest request body, in bytes.
+    pub max_body_bytes: usize,
+    /// Waits on the client (headers, idle connections, bodies).
+    pub http: Timeouts,
+}
+
+impl Default for SearchLimits {
+    fn default() -> Self {
+        Self {
+            request_timeout: Duration::from_secs(10),
+            max_body_bytes: 1 << 20,
+            http: Timeouts::default(),
+        }
+    }
+}
 
 #[derive(Debug, Clone)]
 struct Served {
     index: Arc<Bm25Index>,
     name: String,
+    request_timeout: Duration,
 }
 
 /// The router serving `index` as `name`.
-pub fn router(index: Arc<Bm25Index>, name: &str) -> Router {
+pub fn router(index: Arc<Bm25Index>, name: &str, limits: SearchLimits) -> Router {
     Router::new()
         .route("/", get(info))
         .route("/{index}/_search", post(search).get(search))
+        .layer(middleware::from_fn_with_state(
+            (limits.max_body_bytes, limits.http.body),
+            body_deadline,
+        ))
         .with_state(Served {
             index,
             name: name.to_string(),
+            request_timeout: limits.request_timeout,
         })
+}
+
+/// Read the body within its limits before the handler runs.
+async fn body_deadline(
+    State((limit, timeout)): State<(usize, Duration)>,
+    req: Request,
+    next: Next,
+) -> Response {
+    match buffer_body(req, limit, timeout).await {
+        Ok(req) => next.run(req).await,
+        Err(e) => {
+            let status = match e {
+                BodyError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+                BodyError::TimedOut(_) => StatusCode::REQUEST_TIMEOUT,
+                BodyError::Failed(_) => StatusCode::BAD_REQUEST,
+            };
+            es_error(status, "parse_exception", e.to_string())
+        }
+    }
 }
 
 fn es_error(status: StatusCode, kind: &str, reason: impl Into<String>) -> Response {
@@ -69,11 +119,11 @@ fn parse(body: &[u8]) -> Result<(String, usize, Option<Vec<String>>), String> {
     } else {
         serde_json::from_slice(body).map_err(|e| format!("invalid JSON: {e}"))?
     };
-    let matched = v["query"]["match"]
+    let q = v["query"]["match"]
         .as_object()
         .filter(|m| m.len() == 1)
+        .and_then(|m| m.values().next())
         .ok_or("only {\"query\": {\"match\": {FIELD: TEXT}}} is supported")?;
-    let (_, q) = matched.iter().next().expect("one entry");
     let text = match q {
         Value::String(s) => s.clone(),
         Value::Object(o) => o
@@ -151,8 +201,19 @@ async fn search(
     };
     let t0 = Instant::now();
     let idx = Arc::clone(&s.index);
-    let hits = match tokio::task::spawn_blocking(move || idx.search(&text, size)).await {
-        Ok(Ok(h)) => h,
+    let searching = tokio::task::spawn_blocking(move || idx.search(&text, size));
+    let hits = match tokio::time::timeout(s.request_timeout, searching).await {
+        Ok(Ok(Ok(h))) => h,
+        Ok(Ok(Err(crate::Error::InvalidArgument { reason, .. }))) => {
+            return es_error(StatusCode::BAD_REQUEST, "parsing_exception", reason)
+        }
+        Ok(Ok(Err(e))) => {
+            return es_error(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "search_exception",
+                e.to_string(),
+            )
+        }
         Ok(Err(e)) => {
             return es_error(
                 StatusCode::INTERNAL_SERVER_ERROR,
@@ -160,11 +221,14 @@ async fn search(
                 e.to_string(),
             )
         }
-        Err(e) => {
+        Err(_) => {
             return es_error(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "search_exception",
-                e.to_string(),
+                StatusCode::GATEWAY_TIMEOUT,
+                "timeout_exception",
+                format!(
+                    "search not done within {:.1} s",
+                    s.request_timeout.as_secs_f64()
+                ),
             )
         }
     };

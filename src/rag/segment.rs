@@ -216,7 +216,10 @@ impl<'a> Watch<'a> {
             }) = judge.signal
             {
                 let hidden = self.obs.final_hidden.take().unwrap_or_default();
-                let ws = self.probe_ws.as_mut().expect("made with the probe");
+                let ws = self
+                    .probe_ws
+                    .as_mut()
+                    .ok_or(Error::Internal("a probe workspace is made with the probe"))?;
                 self.probe_out.resize(probe.output_dim(), 0.0);
                 probe.predict_into(&hidden, ws, &mut self.probe_out)?;
                 let mean = heads.iter().map(|&i| self.probe_out[i]).sum::<f32>()
@@ -406,7 +409,9 @@ pub fn masked(
     let mut input = last;
     while run.tokens.len() < max_new {
         if let (MaskHeads::Probe { probe, n }, Some(hidden)) = (heads, obs.final_hidden.take()) {
-            let ws = ws.as_mut().expect("made with the probe");
+            let ws = ws
+                .as_mut()
+                .ok_or(Error::Internal("a probe workspace is made with the probe"))?;
             predicted.resize(probe.output_dim(), 0.0);
             probe.predict_into(&hidden, ws, &mut predicted)?;
             set(&mut cache, &chosen, None)?;

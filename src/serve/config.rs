@@ -15,12 +15,15 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use figment::providers::{Env, Format, Serialized, Toml};
 use figment::Figment;
 use serde::{Deserialize, Serialize};
 
+use crate::model::config::MAX_SIZE;
 use crate::rag::trigger::TriggerConfig;
+use crate::wait::{MAX_SECS, MIN_WAIT_SECS};
 use crate::{Error, Result};
 
 /// The preset every server has, with no file: the plain full cache.
@@ -29,6 +32,13 @@ pub const FULL: &str = "full";
 /// The presets offered when the config names none: `policies/<name>.toml` under the
 /// base folder, each skipped with a warning when it does not resolve for the model.
 pub const DEFAULT_PRESETS: [&str; 4] = ["streaming", "static-locos", "static-wu", "dynamic-probe"];
+
+/// Most generation slots a server may run.
+pub const MAX_CONCURRENCY: usize = 1024;
+/// Most requests that may wait for a slot.
+pub const MAX_QUEUE: usize = 1 << 16;
+/// Largest request body limit (1 GiB).
+pub const MAX_BODY_BYTES: usize = 1 << 30;
 
 /// Everything `headwise serve` can be told.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -58,9 +68,20 @@ pub struct ServeConfig {
     /// Largest request body accepted, in bytes.
     pub max_body_bytes: usize,
     /// Seconds a request may take, queueing included.
+    #[serde(deserialize_with = "seconds")]
     pub request_timeout_secs: f64,
     /// Seconds in-flight requests get to finish after SIGTERM before they are cancelled.
+    #[serde(deserialize_with = "seconds")]
     pub shutdown_grace_secs: f64,
+    /// Seconds a client has to send a request's headers once it has begun.
+    #[serde(deserialize_with = "seconds")]
+    pub header_read_timeout_secs: f64,
+    /// Seconds a keep-alive connection may sit idle before it is closed.
+    #[serde(deserialize_with = "seconds")]
+    pub idle_timeout_secs: f64,
+    /// Seconds a client has to send a request's body.
+    #[serde(deserialize_with = "seconds")]
+    pub body_timeout_secs: f64,
     /// Largest `max_tokens` a request may ask for.
     pub max_tokens_limit: usize,
     /// `max_tokens` of requests that give none (capped at `max_tokens_limit`).
@@ -90,6 +111,9 @@ impl Default for ServeConfig {
             max_body_bytes: 1 << 20,
             request_timeout_secs: 300.0,
             shutdown_grace_secs: 10.0,
+            header_read_timeout_secs: 10.0,
+            idle_timeout_secs: 60.0,
+            body_timeout_secs: 30.0,
             max_tokens_limit: 2048,
             default_max_tokens: 256,
             rag_index: None,
@@ -130,7 +154,7 @@ impl ServeConfig {
                 .unwrap_or_default();
             Error::invalid(
                 "config",
-                format!("{where_}{}", e.to_string().replace('\n', "; ")),
+                format!("{where_}{}", crate::error::figment_message(&e)),
             )
         })?;
         if let Ok(key) = std::env::var("HEADWISE_API_KEY") {
@@ -142,25 +166,49 @@ impl ServeConfig {
         Ok(cfg)
     }
 
+    /// The HTTP timeouts of [`crate::http::serve`].
+    pub fn timeouts(&self) -> crate::http::Timeouts {
+        crate::http::Timeouts {
+            header_read: Duration::from_secs_f64(self.header_read_timeout_secs),
+            idle: Duration::from_secs_f64(self.idle_timeout_secs),
+            body: Duration::from_secs_f64(self.body_timeout_secs),
+        }
+    }
+
     /// Reject settings the server cannot run with.
     pub fn validate(&self) -> Result<()> {
-        let positive = [
-            ("max_concurrency", self.max_concurrency),
-            ("max_body_bytes", self.max_body_bytes),
-            ("max_tokens_limit", self.max_tokens_limit),
-            ("default_max_tokens", self.default_max_tokens),
+        let sizes = [
+            ("max_concurrency", self.max_concurrency, MAX_CONCURRENCY),
+            ("max_queue", self.max_queue, MAX_QUEUE),
+            ("max_body_bytes", self.max_body_bytes, MAX_BODY_BYTES),
+            ("max_tokens_limit", self.max_tokens_limit, MAX_SIZE),
+            ("default_max_tokens", self.default_max_tokens, MAX_SIZE),
         ];
-        for (name, v) in positive {
-            if v == 0 {
-                return Err(Error::invalid(name, "0 (must be at least 1)"));
+        for (name, v, max) in sizes {
+            let min = usize::from(name != "max_queue");
+            if !(min..=max).contains(&v) {
+                return Err(Error::invalid(
+                    name,
+                    format!("{v} (allowed: {min}..={max})"),
+                ));
             }
         }
-        for (name, v) in [
-            ("request_timeout_secs", self.request_timeout_secs),
-            ("shutdown_grace_secs", self.shutdown_grace_secs),
+        for (name, v, min) in [
+            ("request_timeout_secs", self.request_timeout_secs, 0.0),
+            ("shutdown_grace_secs", self.shutdown_grace_secs, 0.0),
+            (
+                "header_read_timeout_secs",
+                self.header_read_timeout_secs,
+                MIN_WAIT_SECS,
+            ),
+            ("idle_timeout_secs", self.idle_timeout_secs, MIN_WAIT_SECS),
+            ("body_timeout_secs", self.body_timeout_secs, MIN_WAIT_SECS),
         ] {
-            if !(v.is_finite() && v >= 0.0) {
-                return Err(Error::invalid(name, format!("{v} (must be >= 0)")));
+            if !(v.is_finite() && (min..=MAX_SECS).contains(&v)) {
+                return Err(Error::invalid(
+                    name,
+                    format!("{} (allowed: {min}..={MAX_SECS} seconds)", short(v)),
+                ));
             }
         }
         for t in self.rag_triggers.iter().flat_map(|m| m.values()) {
@@ -170,6 +218,33 @@ impl ServeConfig {
             return Err(Error::invalid("api_keys", "an empty key"));
         }
         Ok(())
+    }
+}
+
+/// `v` as written by a person: `1e308`, not its 309 digits.
+fn short(v: f64) -> String {
+    match v.is_finite() && v != 0.0 && !(1e-3..1e6).contains(&v.abs()) {
+        true => format!("{v:e}"),
+        false => format!("{v}"),
+    }
+}
+
+/// A number of seconds, as a number or as a string holding one: environment variables
+/// reach figment as strings when it does not read them as numbers itself (`1e300`), and
+/// such a value must be refused for its range, not for its type.
+fn seconds<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<f64, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Secs {
+        Number(f64),
+        Text(String),
+    }
+    match Secs::deserialize(d)? {
+        Secs::Number(v) => Ok(v),
+        Secs::Text(t) => t
+            .trim()
+            .parse::<f64>()
+            .map_err(|_| serde::de::Error::custom(format!("`{t}` is not a number of seconds"))),
     }
 }
 

@@ -387,7 +387,10 @@ impl Engine {
         queue_secs: f64,
     ) -> Event {
         let Some(rag) = &self.rag else {
-            return Event::Failed(self.trigger("").unwrap_err());
+            return Event::Failed(ApiError::invalid(
+                Some("headwise.rag"),
+                "the server has no rag_index",
+            ));
         };
         let item = QaItem {
             id: String::new(),

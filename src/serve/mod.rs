@@ -103,14 +103,20 @@ pub async fn serve(
     listener: TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<()> {
-    let app = router(Arc::clone(&engine), &cfg.api_keys, cfg.max_body_bytes);
+    let timeouts = cfg.timeouts();
+    let app = router(
+        Arc::clone(&engine),
+        &cfg.api_keys,
+        cfg.max_body_bytes,
+        timeouts.body,
+    );
     let (stop_tx, stop_rx) = watch::channel(false);
     tokio::spawn(async move {
         shutdown.await;
         let _ = stop_tx.send(true);
     });
     let mut graceful = stop_rx.clone();
-    let server = axum::serve(listener, app).with_graceful_shutdown(async move {
+    let server = crate::http::serve(listener, app, timeouts, async move {
         let _ = graceful.wait_for(|&stop| stop).await;
     });
     let grace = Duration::from_secs_f64(cfg.shutdown_grace_secs);

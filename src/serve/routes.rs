@@ -3,7 +3,7 @@
 
 use std::convert::Infallible;
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -20,6 +20,7 @@ use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 use tokio::sync::mpsc::UnboundedReceiver;
 
+use crate::http::BodyError;
 use crate::model::chat::ChatMessage;
 use crate::model::Sampling;
 use crate::policy::{GenerateRequest, Prompt};
@@ -39,7 +40,15 @@ struct AppState {
 
 /// The router: `/v1/*` and `/metrics` behind the API keys (when there are any),
 /// `/health` open, every response counted in the metrics.
-pub fn router(engine: Arc<Engine>, api_keys: &[String], max_body_bytes: usize) -> Router {
+///
+/// Bodies are read in full before the handlers run: at most `max_body_bytes` (413
+/// beyond), within `body_timeout` (408 after).
+pub fn router(
+    engine: Arc<Engine>,
+    api_keys: &[String],
+    max_body_bytes: usize,
+    body_timeout: Duration,
+) -> Router {
     let state = AppState {
         engine,
         keys: Arc::new(api_keys.iter().map(|k| digest(k.as_bytes())).collect()),
@@ -56,8 +65,33 @@ pub fn router(engine: Arc<Engine>, api_keys: &[String], max_body_bytes: usize) -
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(max_body_bytes))
+        .layer(middleware::from_fn_with_state(
+            (max_body_bytes, body_timeout),
+            body_deadline,
+        ))
         .layer(middleware::from_fn_with_state(state.clone(), count))
         .with_state(state)
+}
+
+/// Read the body within its limits before anything else looks at the request.
+async fn body_deadline(
+    State((limit, timeout)): State<(usize, Duration)>,
+    req: Request,
+    next: Next,
+) -> Response {
+    match crate::http::buffer_body(req, limit, timeout).await {
+        Ok(req) => next.run(req).await,
+        Err(e) => {
+            let (status, code) = match e {
+                BodyError::TooLarge(_) => (StatusCode::PAYLOAD_TOO_LARGE, "body_too_large"),
+                BodyError::TimedOut(_) => (StatusCode::REQUEST_TIMEOUT, "body_timeout"),
+                BodyError::Failed(_) => (StatusCode::BAD_REQUEST, "invalid_body"),
+            };
+            ApiError::new(status, "invalid_request_error", e.to_string())
+                .with_code(code)
+                .into_response()
+        }
+    }
 }
 
 fn digest(bytes: &[u8]) -> [u8; 32] {

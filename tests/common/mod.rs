@@ -15,6 +15,7 @@ use headwise::model::{Architecture, Config, Model, Numerics, SlidingWindow};
 
 #[path = "../../src/test_support/require.rs"]
 mod require;
+pub mod server;
 #[allow(unused_imports)]
 pub use require::{data, data_dir, models_dir, unavailable};
 
