@@ -97,6 +97,12 @@ fn cases(base: u32, long: u32) -> u32 {
     ((f64::from(base) * scale).round() as u32).max(1) * long
 }
 
+/// The tally, also after a case panicked while holding it (proptest then shrinks the
+/// input, and the failure to report is that panic, not a poisoned lock).
+fn lock(tally: &Mutex<Tally>) -> std::sync::MutexGuard<'_, Tally> {
+    tally.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// What one target did, printed at its end.
 #[derive(Default)]
 struct Tally {
@@ -311,13 +317,13 @@ fn fuzz_gguf_header(long: u32) {
             for e in &edits {
                 apply(&mut h, e);
             }
-            tally
-                .lock()
-                .unwrap()
-                .run(&format!("{edits:?}"), || parse_gguf(&h, len))
+            lock(&tally).run(&format!("{edits:?}"), || parse_gguf(&h, len))
         })
         .unwrap();
-    tally.into_inner().unwrap().report("gguf_header");
+    tally
+        .into_inner()
+        .unwrap_or_else(|e| e.into_inner())
+        .report("gguf_header");
 }
 
 /// A GGUF metadata value of any type, small.
@@ -439,13 +445,13 @@ fn fuzz_gguf_metadata(long: u32) {
                     }
                 }
             }
-            tally
-                .lock()
-                .unwrap()
-                .run(&format!("{edits:?}"), || read_metadata(&content))
+            lock(&tally).run(&format!("{edits:?}"), || read_metadata(&content))
         })
         .unwrap();
-    tally.into_inner().unwrap().report("gguf_metadata");
+    tally
+        .into_inner()
+        .unwrap_or_else(|e| e.into_inner())
+        .report("gguf_metadata");
 }
 
 // ---------------------------------------------------------------------------------
@@ -675,14 +681,17 @@ fn fuzz_policy_toml(long: u32) {
             };
             std::fs::write(&file, flip(&text, &flips)).unwrap();
             let sets: Vec<String> = sets.iter().map(|(k, v)| format!("{k}={v}")).collect();
-            let mut t = tally.lock().unwrap();
+            let mut t = lock(&tally);
             t.run(&text, || PolicyConfig::load(&file, &[]).is_ok())?;
             t.run(&format!("{sets:?}"), || {
                 PolicyConfig::from_overrides(&sets).is_ok()
             })
         })
         .unwrap();
-    tally.into_inner().unwrap().report("policy_toml");
+    tally
+        .into_inner()
+        .unwrap_or_else(|e| e.into_inner())
+        .report("policy_toml");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -738,13 +747,13 @@ fn fuzz_json_file(
             }
             let text = serde_json::to_string_pretty(&d).unwrap();
             std::fs::write(&file, flip(&text, &flips)).unwrap();
-            tally
-                .lock()
-                .unwrap()
-                .run(&format!("{edits:?} {flips:?}"), || load(&file))
+            lock(&tally).run(&format!("{edits:?} {flips:?}"), || load(&file))
         })
         .unwrap();
-    tally.into_inner().unwrap().report(target);
+    tally
+        .into_inner()
+        .unwrap_or_else(|e| e.into_inner())
+        .report(target);
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -826,15 +835,15 @@ fn fuzz_probe_weights(long: u32) {
             c["weights"]["sha256"] = Value::String(format!("{:x}", sha2::Sha256::digest(&w)));
             std::fs::write(dir.join("niah.safetensors"), &w).unwrap();
             std::fs::write(dir.join("niah.json"), serde_json::to_string(&c).unwrap()).unwrap();
-            tally
-                .lock()
-                .unwrap()
-                .run(&format!("{edits:?} {cut:?}"), || {
-                    use_probe(&dir.join("niah.json"))
-                })
+            lock(&tally).run(&format!("{edits:?} {cut:?}"), || {
+                use_probe(&dir.join("niah.json"))
+            })
         })
         .unwrap();
-    tally.into_inner().unwrap().report("probe_weights");
+    tally
+        .into_inner()
+        .unwrap_or_else(|e| e.into_inner())
+        .report("probe_weights");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -860,10 +869,13 @@ fn fuzz_eval_spec(long: u32) {
                 return Ok(());
             };
             std::fs::write(&file, flip(&text, &flips)).unwrap();
-            tally.lock().unwrap().run(&text, || load(&file))
+            lock(&tally).run(&text, || load(&file))
         })
         .unwrap();
-    tally.into_inner().unwrap().report("eval_spec");
+    tally
+        .into_inner()
+        .unwrap_or_else(|e| e.into_inner())
+        .report("eval_spec");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -1019,10 +1031,7 @@ fn fuzz_server(
                 )));
             }
             // Bounded by the client's timeout: a slower answer is an error above.
-            tally
-                .lock()
-                .unwrap()
-                .note(&shown, Duration::ZERO, status < 300)
+            lock(&tally).note(&shown, Duration::ZERO, status < 300)
         })
         .unwrap();
     assert!(
@@ -1031,7 +1040,7 @@ fn fuzz_server(
         server.log.lock().unwrap()
     );
     let peak = server.peak_rss();
-    let tally = tally.into_inner().unwrap();
+    let tally = tally.into_inner().unwrap_or_else(|e| e.into_inner());
     println!(
         "fuzz {target}: {} inputs ({} answered 2xx, {} 4xx), 0 5xx, server peak RSS {:.0} MiB",
         tally.inputs,

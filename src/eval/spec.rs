@@ -117,7 +117,18 @@ pub enum Seeds {
     List(Vec<u64>),
 }
 
+/// Most seeds a task may give (a count beyond it would be a list too large to build).
+pub const MAX_SEEDS: u64 = 1_000_000;
+
 impl Seeds {
+    /// How many seeds, without listing them.
+    pub fn count(&self) -> u64 {
+        match self {
+            Seeds::Count(n) => *n,
+            Seeds::List(v) => v.len() as u64,
+        }
+    }
+
     /// The seeds.
     pub fn list(&self) -> Vec<u64> {
         match self {
@@ -274,8 +285,17 @@ impl EvalSpec {
                     format!("{}: needs `lengths`", t.name),
                 ));
             }
-            if t.seeds.as_ref().is_some_and(|s| s.list().is_empty()) {
-                return Err(Error::invalid("task", format!("{}: no seed given", t.name)));
+            match t.seeds.as_ref().map(Seeds::count) {
+                Some(0) => {
+                    return Err(Error::invalid("task", format!("{}: no seed given", t.name)))
+                }
+                Some(n) if n > MAX_SEEDS => {
+                    return Err(Error::invalid(
+                        "task",
+                        format!("{}: {n} seeds (at most {MAX_SEEDS})", t.name),
+                    ))
+                }
+                _ => {}
             }
         }
         for t in &self.tasks {
@@ -394,6 +414,11 @@ mod tests {
             "selection `wu` is not defined",
         );
         check(&|s| s.tasks[0].lengths.clear(), "needs `lengths`");
+        // Found by the long fuzz run: a count of 2^63 seeds was listed before it was checked.
+        check(
+            &|s| s.tasks[0].seeds = Some(Seeds::Count(u64::MAX)),
+            "18446744073709551615 seeds (at most 1000000)",
+        );
         check(&|s| s.name = "../x".into(), "not a folder name");
         assert_eq!(
             TaskSource::parse("babilong_qa3").unwrap(),
