@@ -1084,27 +1084,6 @@ fn fuzz_openai_bodies(long: u32) {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// An index of three passages, built by the binary.
-fn small_index(dir: &Path) -> PathBuf {
-    let corpus = dir.join("corpus.jsonl");
-    std::fs::write(
-        &corpus,
-        "{\"id\": \"a\", \"title\": \"Lisbon\", \"text\": \"Lisbon is the capital of Portugal.\"}\n\
-         {\"id\": \"b\", \"title\": \"Oslo\", \"text\": \"Oslo is the capital of Norway.\"}\n",
-    )
-    .unwrap();
-    let index = dir.join("index");
-    let status = std::process::Command::new(env!("CARGO_BIN_EXE_headwise"))
-        .args(["retriever", "index"])
-        .arg(&corpus)
-        .arg("--out")
-        .arg(&index)
-        .status()
-        .unwrap();
-    assert!(status.success());
-    index
-}
-
 fn search_doc() -> impl Strategy<Value = Value> {
     let text = prop_oneof![
         4 => ".{0,60}".prop_map(Value::String),
@@ -1145,7 +1124,11 @@ fn search_doc() -> impl Strategy<Value = Value> {
 
 fn fuzz_search_bodies(long: u32) {
     let dir = scratch("search");
-    let index = small_index(&dir);
+    let index = common::server::build_index(
+        &dir,
+        "{\"id\": \"a\", \"title\": \"Lisbon\", \"text\": \"Lisbon is the capital of Portugal.\"}\n\
+         {\"id\": \"b\", \"title\": \"Oslo\", \"text\": \"Oslo is the capital of Norway.\"}\n",
+    );
     let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_headwise"));
     cmd.args(["retriever", "serve", "--port", "0", "--index"])
         .arg(&index);

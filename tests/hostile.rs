@@ -61,6 +61,15 @@ fn headwise(args: &[&str]) -> (i32, String) {
     headwise_within(&args, &[], Duration::from_secs(300))
 }
 
+/// `headwise generate ARGS --model SMOLLM2`.
+fn generate(args: &[&str]) -> (i32, String) {
+    let model = common::real_model();
+    let mut all = vec!["generate"];
+    all.extend_from_slice(args);
+    all.extend(["--model", model.to_str().unwrap()]);
+    headwise(&all)
+}
+
 /// Exit 1 and exactly one non-empty stderr line, an `error:` naming `needle`, with no
 /// panic, backtrace frame or headwise source location in it.
 fn assert_one_line_error(code: i32, stderr: &str, needle: &str) {
@@ -126,45 +135,21 @@ fn a_gguf_key_length_beyond_the_file_is_refused_before_allocating() {
 
 #[test]
 fn max_tokens_of_usize_max_is_a_context_error_not_an_overflow() {
-    let model = common::real_model();
-    let (code, err) = headwise(&[
-        "generate",
-        "--prompt",
-        "hi",
-        "--max-tokens",
-        "18446744073709551615",
-        "--model",
-        model.to_str().unwrap(),
-    ]);
+    let (code, err) = generate(&["--prompt", "hi", "--max-tokens", "18446744073709551615"]);
     assert_one_line_error(code, &err, "exceeds the context of 8192 tokens");
 }
 
 #[test]
 fn the_mistralrs_engine_refuses_seed_and_checks_the_context() {
-    let model = common::real_model();
-    let m = model.to_str().unwrap();
-    let (code, err) = headwise(&[
-        "generate",
-        "--engine",
-        "mistralrs",
-        "--prompt",
-        "hi",
-        "--seed",
-        "7",
-        "--model",
-        m,
-    ]);
+    let (code, err) = generate(&["--engine", "mistralrs", "--prompt", "hi", "--seed", "7"]);
     assert_one_line_error(code, &err, "--seed is not supported by --engine mistralrs");
-    let (code, err) = headwise(&[
-        "generate",
+    let (code, err) = generate(&[
         "--engine",
         "mistralrs",
         "--prompt",
         "hi",
         "--max-tokens",
         "10000000",
-        "--model",
-        m,
     ]);
     // mistral.rs prints its own loading lines; the last one is the error.
     assert_eq!(code, 1, "{err}");
@@ -177,26 +162,12 @@ fn the_mistralrs_engine_refuses_seed_and_checks_the_context() {
 
 /// A three-passage index built by the binary in `dir`.
 fn small_index(dir: &Path) -> PathBuf {
-    std::fs::create_dir_all(dir).unwrap();
-    let corpus = dir.join("corpus.jsonl");
-    std::fs::write(
-        &corpus,
+    common::server::build_index(
+        dir,
         "{\"id\": \"a\", \"title\": \"Lisbon\", \"text\": \"Lisbon is the capital of Portugal.\"}\n\
          {\"id\": \"b\", \"title\": \"Oslo\", \"text\": \"Oslo is the capital of Norway.\"}\n\
          {\"id\": \"c\", \"title\": \"Tagus\", \"text\": \"The Tagus flows through Lisbon.\"}\n",
     )
-    .unwrap();
-    let index = dir.join("index");
-    let _ = std::fs::remove_dir_all(&index);
-    let (code, err) = headwise(&[
-        "retriever",
-        "index",
-        corpus.to_str().unwrap(),
-        "--out",
-        index.to_str().unwrap(),
-    ]);
-    assert_eq!(code, 0, "{err}");
-    index
 }
 
 #[test]
@@ -253,17 +224,13 @@ fn a_config_error_names_the_users_file_and_key_not_a_source_location() {
         Duration::from_secs(60),
     );
     assert_one_line_error(code, &err, "HEADWISE_SERVE_MAX_QUEUE");
-    let model = common::real_model();
-    let (code, err) = headwise(&[
-        "generate",
+    let (code, err) = generate(&[
         "--prompt",
         "hi",
         "--set",
         "type=window",
         "--set",
         "window=\"wide\"",
-        "--model",
-        model.to_str().unwrap(),
     ]);
     // A policy is a tagged enum, whose field errors serde reports without the field's
     // name; the value is named, and no source location.
@@ -274,16 +241,7 @@ fn a_config_error_names_the_users_file_and_key_not_a_source_location() {
 fn a_full_policy_refuses_unknown_keys() {
     let p = tmp("full.toml");
     std::fs::write(&p, "type = \"full\"\nwindow = 64\n").unwrap();
-    let model = common::real_model();
-    let (code, err) = headwise(&[
-        "generate",
-        "--prompt",
-        "hi",
-        "--policy",
-        p.to_str().unwrap(),
-        "--model",
-        model.to_str().unwrap(),
-    ]);
+    let (code, err) = generate(&["--prompt", "hi", "--policy", p.to_str().unwrap()]);
     assert_one_line_error(code, &err, "window");
 }
 

@@ -588,23 +588,11 @@ fn sigterm_lets_short_requests_finish_and_cancels_long_ones() {
 fn rag_requests_retrieve_and_are_counted() {
     let dir = std::env::temp_dir().join(format!("headwise-rag-corpus-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let corpus = dir.join("corpus.jsonl");
-    std::fs::write(
-        &corpus,
+    let index = common::server::build_index(
+        &dir,
         "{\"title\": \"Lisbon\", \"text\": \"Lisbon, the capital of Portugal, lies on the Tagus river.\"}\n\
          {\"title\": \"Oslo\", \"text\": \"Oslo is the capital of Norway.\"}\n",
-    )
-    .unwrap();
-    let index = dir.join("index");
-    let status = Command::new(env!("CARGO_BIN_EXE_headwise"))
-        .args(["retriever", "index"])
-        .arg(&corpus)
-        .arg("--out")
-        .arg(&index)
-        .status()
-        .unwrap();
-    assert!(status.success());
+    );
     let stopwords = dir.join("stop.txt");
     std::fs::write(&stopwords, "the\nof\nwhich\n").unwrap();
     let server = Server::start(

@@ -1,6 +1,7 @@
 //! A server child process for the tests that talk HTTP to the real binary.
 
 use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -104,4 +105,27 @@ impl Drop for Spawned {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// A BM25 index of `passages` (JSON lines) built by the binary in `dir/index` (replaced
+/// if it exists), for the tests that serve or search one.
+pub fn build_index(dir: &Path, passages: &str) -> PathBuf {
+    std::fs::create_dir_all(dir).unwrap();
+    let corpus = dir.join("corpus.jsonl");
+    std::fs::write(&corpus, passages).unwrap();
+    let index = dir.join("index");
+    let _ = std::fs::remove_dir_all(&index);
+    let out = Command::new(env!("CARGO_BIN_EXE_headwise"))
+        .args(["retriever", "index"])
+        .arg(&corpus)
+        .arg("--out")
+        .arg(&index)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    index
 }
