@@ -236,6 +236,18 @@ pub enum BodyError {
     Failed(String),
 }
 
+impl BodyError {
+    /// The HTTP status that answers it: 413, 408 or 400.
+    pub fn status(&self) -> axum::http::StatusCode {
+        use axum::http::StatusCode;
+        match self {
+            BodyError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            BodyError::TimedOut(_) => StatusCode::REQUEST_TIMEOUT,
+            BodyError::Failed(_) => StatusCode::BAD_REQUEST,
+        }
+    }
+}
+
 impl std::fmt::Display for BodyError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {

@@ -1061,14 +1061,7 @@ fn fuzz_openai_bodies(long: u32) {
          [policies]\nstatic-locos = \"policies/static-locos.toml\"\n",
     )
     .unwrap();
-    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_headwise"));
-    cmd.args(["serve", "--port", "0", "--config"])
-        .arg(&cfg)
-        .arg("--model")
-        .arg(common::real_model())
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .env_remove("HEADWISE_API_KEY");
-    let mut server = common::server::Spawned::start(cmd);
+    let mut server = common::server::Spawned::start(common::server::serve_command(&cfg));
     fuzz_server(
         "openai_bodies",
         &mut server,

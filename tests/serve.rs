@@ -52,15 +52,8 @@ impl Server {
         std::fs::create_dir_all(&dir).unwrap();
         let cfg = dir.join("serve.toml");
         std::fs::write(&cfg, config).unwrap();
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_headwise"));
-        cmd.args(["serve", "--port", "0", "--config"])
-            .arg(&cfg)
-            .arg("--model")
-            .arg(common::real_model())
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .env_remove("HEADWISE_API_KEY");
         Server {
-            spawned: common::server::Spawned::start(cmd),
+            spawned: common::server::Spawned::start(common::server::serve_command(&cfg)),
             _dir: TempDir(dir),
         }
     }

@@ -141,11 +141,6 @@ pub fn read_utf8(path: &Path) -> anyhow::Result<String> {
     })
 }
 
-/// A number of seconds for a timeout flag: finite, at least 0.01, at most 30 days.
-pub fn seconds(text: &str) -> Result<f64, String> {
-    headwise::wait::parse_secs(text)
-}
-
 /// A progress bar of `len` steps drawn with `template` (indicatif's syntax; a template
 /// it cannot read falls back to its plain bar).
 pub fn progress(len: u64, template: &str) -> indicatif::ProgressBar {

@@ -11,6 +11,7 @@ use headwise::rag::corpus::{self, CorpusFormat};
 use headwise::rag::retriever::MAX_K;
 use headwise::rag::search_server::{self, SearchLimits};
 use headwise::rag::{Bm25Index, HttpRetriever, Retriever};
+use headwise::wait;
 
 #[derive(Subcommand, Debug)]
 pub enum RetrieverCommand {
@@ -49,16 +50,20 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 9200)]
     port: u16,
     /// Seconds a search may run before it is answered 504.
-    #[arg(long, default_value_t = 10.0, value_parser = super::seconds)]
+    #[arg(long, default_value_t = SearchLimits::default().request_timeout.as_secs_f64(),
+          value_parser = wait::parse_secs)]
     request_timeout: f64,
     /// Seconds a client has to send a request's headers.
-    #[arg(long, default_value_t = 10.0, value_parser = super::seconds)]
+    #[arg(long, default_value_t = Timeouts::default().header_read.as_secs_f64(),
+          value_parser = wait::parse_secs)]
     header_read_timeout: f64,
     /// Seconds an idle keep-alive connection stays open.
-    #[arg(long, default_value_t = 60.0, value_parser = super::seconds)]
+    #[arg(long, default_value_t = Timeouts::default().idle.as_secs_f64(),
+          value_parser = wait::parse_secs)]
     idle_timeout: f64,
     /// Seconds a client has to send a request's body.
-    #[arg(long, default_value_t = 30.0, value_parser = super::seconds)]
+    #[arg(long, default_value_t = Timeouts::default().body.as_secs_f64(),
+          value_parser = wait::parse_secs)]
     body_timeout: f64,
 }
 
@@ -80,7 +85,7 @@ pub struct SearchArgs {
           value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=MAX_K as u64))]
     k: usize,
     /// Seconds per HTTP request.
-    #[arg(long, default_value_t = 10.0, value_parser = super::seconds)]
+    #[arg(long, default_value_t = 10.0, value_parser = wait::parse_secs)]
     timeout: f64,
 }
 

@@ -329,4 +329,48 @@ mod tests {
         std::fs::remove_dir_all(&dir).unwrap();
         assert!(Bm25Index::open(&dir).is_err());
     }
+
+    #[test]
+    fn a_repeated_term_scores_as_its_repeated_clauses_and_a_flood_of_terms_is_refused() {
+        let dir = std::env::temp_dir().join(format!("headwise-bm25-rep-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let index = Bm25Index::build(&dir, &passages()).unwrap();
+        let query = "capital capital capital of Japan Japan";
+        // The query as one clause per token, repeats included, built here directly.
+        let mut clauses: Vec<(Occur, Box<dyn Query>)> = Vec::new();
+        for field in [index.title, index.text] {
+            for word in query.split(' ') {
+                let term = Term::from_field_text(field, &word.to_lowercase());
+                clauses.push((
+                    Occur::Should,
+                    Box::new(TermQuery::new(term, IndexRecordOption::WithFreqs)),
+                ));
+            }
+        }
+        let searcher = index.reader.searcher();
+        let plain = searcher
+            .search(
+                &BooleanQuery::new(clauses),
+                &TopDocs::with_limit(3).order_by_score(),
+            )
+            .unwrap();
+        let hits = index.search(query, 3).unwrap();
+        assert_eq!(hits.len(), plain.len());
+        for (hit, (score, addr)) in hits.iter().zip(&plain) {
+            let doc: TantivyDocument = searcher.doc(*addr).unwrap();
+            let id = doc.get_first(index.id).and_then(|v| v.as_str()).unwrap();
+            assert_eq!(hit.id, id);
+            assert!(
+                (hit.score - score).abs() <= 1e-5 * score.abs(),
+                "{} vs {score}",
+                hit.score
+            );
+        }
+        let flood: Vec<String> = (0..=MAX_QUERY_TERMS).map(|i| format!("w{i}")).collect();
+        let err = index.search(&flood.join(" "), 3).unwrap_err().to_string();
+        assert!(err.contains("more than 1024 distinct terms"), "{err}");
+        assert!(index.search("capital", MAX_K + 1).is_err());
+        drop(index);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

@@ -31,7 +31,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::{json, Map, Value};
 
-use crate::http::{buffer_body, BodyError, Timeouts};
+use crate::http::{buffer_body, Timeouts};
 use crate::rag::bm25::Bm25Index;
 use crate::rag::retriever::{Hit, Retriever, MAX_K as MAX_SIZE};
 
@@ -87,14 +87,7 @@ async fn body_deadline(
 ) -> Response {
     match buffer_body(req, limit, timeout).await {
         Ok(req) => next.run(req).await,
-        Err(e) => {
-            let status = match e {
-                BodyError::TooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
-                BodyError::TimedOut(_) => StatusCode::REQUEST_TIMEOUT,
-                BodyError::Failed(_) => StatusCode::BAD_REQUEST,
-            };
-            es_error(status, "parse_exception", e.to_string())
-        }
+        Err(e) => es_error(e.status(), "parse_exception", e.to_string()),
     }
 }
 

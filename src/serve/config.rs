@@ -97,6 +97,7 @@ pub struct ServeConfig {
 
 impl Default for ServeConfig {
     fn default() -> Self {
+        let http = crate::http::Timeouts::default();
         Self {
             host: "127.0.0.1".into(),
             port: 8080,
@@ -111,9 +112,9 @@ impl Default for ServeConfig {
             max_body_bytes: 1 << 20,
             request_timeout_secs: 300.0,
             shutdown_grace_secs: 10.0,
-            header_read_timeout_secs: 10.0,
-            idle_timeout_secs: 60.0,
-            body_timeout_secs: 30.0,
+            header_read_timeout_secs: http.header_read.as_secs_f64(),
+            idle_timeout_secs: http.idle.as_secs_f64(),
+            body_timeout_secs: http.body.as_secs_f64(),
             max_tokens_limit: 2048,
             default_max_tokens: 256,
             rag_index: None,
@@ -178,14 +179,13 @@ impl ServeConfig {
     /// Reject settings the server cannot run with.
     pub fn validate(&self) -> Result<()> {
         let sizes = [
-            ("max_concurrency", self.max_concurrency, MAX_CONCURRENCY),
-            ("max_queue", self.max_queue, MAX_QUEUE),
-            ("max_body_bytes", self.max_body_bytes, MAX_BODY_BYTES),
-            ("max_tokens_limit", self.max_tokens_limit, MAX_SIZE),
-            ("default_max_tokens", self.default_max_tokens, MAX_SIZE),
+            ("max_concurrency", self.max_concurrency, 1, MAX_CONCURRENCY),
+            ("max_queue", self.max_queue, 0, MAX_QUEUE),
+            ("max_body_bytes", self.max_body_bytes, 1, MAX_BODY_BYTES),
+            ("max_tokens_limit", self.max_tokens_limit, 1, MAX_SIZE),
+            ("default_max_tokens", self.default_max_tokens, 1, MAX_SIZE),
         ];
-        for (name, v, max) in sizes {
-            let min = usize::from(name != "max_queue");
+        for (name, v, min, max) in sizes {
             if !(min..=max).contains(&v) {
                 return Err(Error::invalid(
                     name,

@@ -64,6 +64,8 @@ pub fn router(
         .route("/health", get(health))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
+        // Bodies reach the handlers already read within `max_body_bytes` (by
+        // `body_deadline`); this lifts axum's own 2 MB default to the same limit.
         .layer(DefaultBodyLimit::max(max_body_bytes))
         .layer(middleware::from_fn_with_state(
             (max_body_bytes, body_timeout),
@@ -82,12 +84,12 @@ async fn body_deadline(
     match crate::http::buffer_body(req, limit, timeout).await {
         Ok(req) => next.run(req).await,
         Err(e) => {
-            let (status, code) = match e {
-                BodyError::TooLarge(_) => (StatusCode::PAYLOAD_TOO_LARGE, "body_too_large"),
-                BodyError::TimedOut(_) => (StatusCode::REQUEST_TIMEOUT, "body_timeout"),
-                BodyError::Failed(_) => (StatusCode::BAD_REQUEST, "invalid_body"),
+            let code = match e {
+                BodyError::TooLarge(_) => "body_too_large",
+                BodyError::TimedOut(_) => "body_timeout",
+                BodyError::Failed(_) => "invalid_body",
             };
-            ApiError::new(status, "invalid_request_error", e.to_string())
+            ApiError::new(e.status(), "invalid_request_error", e.to_string())
                 .with_code(code)
                 .into_response()
         }
@@ -205,18 +207,14 @@ fn now() -> u64 {
         .unwrap_or(0)
 }
 
-/// The body as `T`, or a 400 (a 413 when it was too large).
+/// The body as `T`, or a 400. (Size and time were checked by [`body_deadline`].)
 fn parse<T: DeserializeOwned>(body: Result<Bytes, BytesRejection>) -> Result<T, ApiError> {
     let bytes = body.map_err(|r| {
-        let status = r.status();
         let mut e = ApiError::invalid(
             None,
             format!("could not read the request body: {}", r.body_text()),
         );
-        e.status = status;
-        if status == StatusCode::PAYLOAD_TOO_LARGE {
-            e.code = Some("body_too_large");
-        }
+        e.status = r.status();
         e
     })?;
     serde_json::from_slice(&bytes).map_err(|e| {

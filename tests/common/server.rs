@@ -107,6 +107,20 @@ impl Drop for Spawned {
     }
 }
 
+/// `headwise serve` on a free port with the settings file `config` and the real SmolLM2,
+/// run from the repository root (where the preset files are), no API key from the
+/// environment.
+pub fn serve_command(config: &Path) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_headwise"));
+    cmd.args(["serve", "--port", "0", "--config"])
+        .arg(config)
+        .arg("--model")
+        .arg(super::real_model())
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .env_remove("HEADWISE_API_KEY");
+    cmd
+}
+
 /// A BM25 index of `passages` (JSON lines) built by the binary in `dir/index` (replaced
 /// if it exists), for the tests that serve or search one.
 pub fn build_index(dir: &Path, passages: &str) -> PathBuf {
