@@ -8,7 +8,7 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use crate::model::ModelId;
+use crate::model::{DecodeParts, ModelId};
 use crate::provenance::{machine, Made};
 use crate::results::{recorder, write_experiment, ResultRecord};
 use crate::Result;
@@ -26,30 +26,121 @@ pub struct BenchRecord {
     pub prefill_tok_s: f64,
     /// Generated tokens per second after the first.
     pub decode_tok_s: f64,
-    /// Peak resident set of the process (bytes), from `VmHWM`.
+    /// Peak resident set of the process (bytes): `VmHWM` of the worker, or for
+    /// llama.cpp the largest `llama-bench` child's `ru_maxrss`.
     pub peak_rss_bytes: Option<u64>,
+    /// The kernels' instruction set (instrumented engine).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub isa: Option<String>,
+    /// Bytes one decode step reads from memory: the weights of every matrix and the KV
+    /// rows in view at the last step (instrumented engine).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub step_bytes: Option<StepBytes>,
+    /// The decode step's parts, each timed alone (instrumented engine).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decode_parts: Option<DecodeParts>,
+}
+
+/// What one decode step streams from memory.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+pub struct StepBytes {
+    /// Weight bytes of every matrix, LM head included.
+    pub weights: u64,
+    /// KV cache bytes in view (keys and values of every layer).
+    pub kv: u64,
+}
+
+impl BenchRecord {
+    /// Decode tokens/s as a share of the bandwidth ceiling `bandwidth / step bytes`
+    /// (`bandwidth` in bytes/s), when the step's bytes are known.
+    pub fn ceiling_share(&self, bandwidth: f64) -> Option<f64> {
+        let b = self.step_bytes?;
+        let ceiling = bandwidth / (b.weights + b.kv) as f64;
+        Some(self.decode_tok_s / ceiling)
+    }
+}
+
+/// Read bandwidth of this machine in bytes/s: one streaming pass over a 512 MiB buffer,
+/// split over the threads of the rayon pool (the ones the kernels use), best of three.
+pub fn read_bandwidth() -> f64 {
+    use rayon::prelude::*;
+    const BYTES: usize = 512 << 20;
+    let buf: Vec<u64> = (0..(BYTES / 8) as u64).collect();
+    let mut best = f64::MAX;
+    for _ in 0..3 {
+        let start = std::time::Instant::now();
+        let sum = buf
+            .par_chunks(1 << 16)
+            .map(|c| c.iter().fold(0u64, |a, &x| a.wrapping_add(x)))
+            .reduce(|| 0, u64::wrapping_add);
+        std::hint::black_box(sum);
+        best = best.min(start.elapsed().as_secs_f64());
+    }
+    BYTES as f64 / best
 }
 
 /// The Markdown table of engine measurements, then the instrumented engine's speed and
-/// memory relative to each other engine at each prompt length.
-pub fn table(records: &[BenchRecord]) -> String {
+/// memory relative to each other engine at each prompt length; with `bandwidth`
+/// (bytes/s) each instrumented row's decode speed as a share of the bandwidth ceiling.
+pub fn table(records: &[BenchRecord], bandwidth: Option<f64>) -> String {
     let mib = |b: Option<u64>| {
         b.map_or("?".to_string(), |b| {
             format!("{:.0}", b as f64 / (1 << 20) as f64)
         })
     };
     let mut md = String::from(
-        "| engine | prompt tokens | prefill tok/s | decode tok/s | peak RSS MiB |\n\
-         | --- | ---: | ---: | ---: | ---: |\n",
+        "| engine | kernels | prompt tokens | prefill tok/s | decode tok/s | peak RSS MiB | \
+         MiB read per decode step (weights + KV) | decode / bandwidth ceiling |\n\
+         | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |\n",
     );
     for r in records {
+        let step = r.step_bytes.map_or("-".to_string(), |b| {
+            format!(
+                "{:.1} + {:.1}",
+                b.weights as f64 / (1 << 20) as f64,
+                b.kv as f64 / (1 << 20) as f64
+            )
+        });
+        let share = bandwidth
+            .and_then(|bw| r.ceiling_share(bw))
+            .map_or("-".to_string(), |s| format!("{:.0}%", 100.0 * s));
         md.push_str(&format!(
-            "| {} | {} | {:.1} | {:.1} | {} |\n",
+            "| {} | {} | {} | {:.1} | {:.1} | {} | {step} | {share} |\n",
             r.engine,
+            r.isa.as_deref().unwrap_or("-"),
             r.prompt_tokens,
             r.prefill_tok_s,
             r.decode_tok_s,
             mib(r.peak_rss_bytes)
+        ));
+    }
+    let parts: Vec<(&BenchRecord, DecodeParts)> = records
+        .iter()
+        .filter_map(|r| r.decode_parts.map(|p| (r, p)))
+        .collect();
+    if !parts.is_empty() {
+        md.push_str(
+            "\nOne decode step of the instrumented engine (ms): the measured step, and each \
+             part timed alone on the real weights; the rest is norms, RoPE, residuals, \
+             the cache append and scheduling.\n\n\
+             | prompt tokens | step | matrices | LM head | attention | rest |\n\
+             | ---: | ---: | ---: | ---: | ---: | ---: |\n",
+        );
+        for (r, p) in parts {
+            let step = 1e3 / r.decode_tok_s;
+            let (w, l, a) = (1e3 * p.weights_s, 1e3 * p.lm_head_s, 1e3 * p.attention_s);
+            md.push_str(&format!(
+                "| {} | {step:.2} | {w:.2} | {l:.2} | {a:.2} | {:.2} |\n",
+                r.prompt_tokens,
+                step - w - l - a
+            ));
+        }
+    }
+    if let Some(bw) = bandwidth {
+        md.push_str(&format!(
+            "\nRead bandwidth (one streaming pass over 512 MiB, all kernel threads): {:.1} GB/s; \
+             the ceiling is that bandwidth over the bytes one decode step reads.\n",
+            bw / 1e9
         ));
     }
     for (n, a, b) in comparisons(records) {
@@ -90,8 +181,14 @@ fn comparisons(records: &[BenchRecord]) -> Vec<(usize, &BenchRecord, &BenchRecor
 /// The records of engine measurements (experiment `bench`, task: the engine):
 /// `prefill_tok_s`, `decode_tok_s` and `peak_rss_bytes` each, and per other engine (task
 /// `instrumented-vs-<engine>`) `prefill_ratio`, `decode_ratio` and `peak_rss_ratio` of
-/// the instrumented engine over it.
-pub fn speed_records(model: &ModelId, records: &[BenchRecord], made: &Made) -> Vec<ResultRecord> {
+/// the instrumented engine over it; with `bandwidth`, `read_bandwidth_bytes_s` (task
+/// `machine`) and each instrumented row's `decode_ceiling_share`.
+pub fn speed_records(
+    model: &ModelId,
+    records: &[BenchRecord],
+    bandwidth: Option<f64>,
+    made: &Made,
+) -> Vec<ResultRecord> {
     let record = recorder("bench", model, None, made);
     let rec = |task: &str, tokens: usize, metric: &str, value: f64| {
         record(task, Some(tokens), metric, value, 1)
@@ -113,6 +210,17 @@ pub fn speed_records(model: &ModelId, records: &[BenchRecord], made: &Made) -> V
         if let Some(b) = r.peak_rss_bytes {
             out.push(rec(&r.engine, r.prompt_tokens, "peak_rss_bytes", b as f64));
         }
+        if let Some(share) = bandwidth.and_then(|bw| r.ceiling_share(bw)) {
+            out.push(rec(
+                &r.engine,
+                r.prompt_tokens,
+                "decode_ceiling_share",
+                share,
+            ));
+        }
+    }
+    if let Some(bw) = bandwidth {
+        out.push(record("machine", None, "read_bandwidth_bytes_s", bw, 1));
     }
     for (n, a, b) in comparisons(records) {
         let task = format!("instrumented-vs-{}", b.engine);
@@ -213,6 +321,9 @@ mod tests {
             prefill_tok_s: 10.0 * speed,
             decode_tok_s: speed,
             peak_rss_bytes: Some(1 << 20),
+            isa: None,
+            step_bytes: None,
+            decode_parts: None,
         }
     }
 
@@ -227,7 +338,7 @@ mod tests {
             measured("mistralrs", 512, 2.0),
             measured("instrumented", 64, 1.0),
         ];
-        let out = speed_records(&id, &measured, &Made::now("fast"));
+        let out = speed_records(&id, &measured, None, &Made::now("fast"));
         // 3 measurements x 3 metrics, one comparison x 3 ratios
         assert_eq!(out.len(), 12);
         let ratio = out
@@ -237,12 +348,52 @@ mod tests {
         assert_eq!(ratio.task.as_deref(), Some("instrumented-vs-mistralrs"));
         assert_eq!((ratio.context_tokens, ratio.value), (Some(512), 2.0));
         assert!(out.iter().all(|r| r.made.numerics == "fast"));
-        let md = table(&measured);
-        assert!(md.contains("| mistralrs | 512 | 20.0 | 2.0 | 1 |"), "{md}");
+        let md = table(&measured, None);
+        assert!(
+            md.contains("| mistralrs | - | 512 | 20.0 | 2.0 | 1 | - | - |"),
+            "{md}"
+        );
         assert!(
             md.contains("instrumented / mistralrs: prefill 2.00x, decode 2.00x, peak memory 1.00x"),
             "{md}"
         );
+    }
+
+    #[test]
+    fn the_ceiling_share_is_decode_speed_over_bandwidth_per_step_bytes() {
+        let mut r = measured("instrumented", 512, 50.0);
+        assert_eq!(r.ceiling_share(1e9), None);
+        r.step_bytes = Some(StepBytes {
+            weights: 60_000_000,
+            kv: 40_000_000,
+        });
+        // ceiling 1e9 B/s / 1e8 B = 10 tok/s, so 50 tok/s measured is 5 times it
+        assert!((r.ceiling_share(1e9).unwrap() - 5.0).abs() < 1e-12);
+        r.decode_parts = Some(DecodeParts {
+            weights_s: 0.010,
+            lm_head_s: 0.002,
+            attention_s: 0.004,
+        });
+        let md = table(&[r.clone()], Some(1e10));
+        assert!(md.contains("| 57.2 + 38.1 | 50% |"), "{md}");
+        // a 20 ms step: 10 + 2 + 4 ms timed alone, 4 ms the rest
+        assert!(
+            md.contains("| 512 | 20.00 | 10.00 | 2.00 | 4.00 | 4.00 |"),
+            "{md}"
+        );
+        let records = speed_records(
+            &ModelId {
+                name: "m".into(),
+                sha256: "00".into(),
+            },
+            &[r],
+            Some(1e10),
+            &Made::now("fast"),
+        );
+        assert!(records
+            .iter()
+            .any(|x| x.metric == "decode_ceiling_share" && (x.value - 0.5).abs() < 1e-12));
+        assert!(records.iter().any(|x| x.metric == "read_bandwidth_bytes_s"));
     }
 
     #[test]

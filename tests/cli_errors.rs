@@ -567,3 +567,28 @@ fn bad_policies_fail_before_generation() {
     );
     assert_clean_error(code, &err, "no such file");
 }
+
+#[test]
+fn an_unknown_or_missing_instruction_set_is_refused_before_loading() {
+    let model = common::real_model();
+    let args = [
+        "generate".as_ref(),
+        "--model".as_ref(),
+        model.as_os_str(),
+        "--prompt".as_ref(),
+        "hi".as_ref(),
+    ];
+    let (code, err) = headwise(&args, &[("HEADWISE_ISA", "sse9")]);
+    assert_clean_error(code, &err, "HEADWISE_ISA");
+    assert!(err.contains("portable, avx2 or avx512vnni"), "{err}");
+    // A set this CPU lacks (none on an AVX-512 VNNI machine) is refused by name.
+    for isa in [
+        headwise::model::kernels::Isa::Avx512Vnni,
+        headwise::model::kernels::Isa::Avx2,
+    ] {
+        if !isa.supported() {
+            let (code, err) = headwise(&args, &[("HEADWISE_ISA", isa.name())]);
+            assert_clean_error(code, &err, "this CPU lacks it");
+        }
+    }
+}

@@ -285,7 +285,7 @@ fn head_output_projection_is_the_heads_slice_of_w_o() {
         }
     }
     assert!(model.head_output_projection(2, 0).is_err());
-    assert_eq!(model.embeddings().dims(), &[97, 48]);
+    assert_eq!(model.embeddings().unwrap().dims(), &[97, 48]);
 }
 
 #[test]

@@ -7,8 +7,9 @@ use std::process::Command;
 
 use clap::Args;
 use headwise::bench::{
-    peak_rss_bytes, speed_records, synthetic_notes, table, write_report, BenchRecord,
+    peak_rss_bytes, speed_records, synthetic_notes, table, write_report, BenchRecord, StepBytes,
 };
+use headwise::model::kernels::Isa;
 use headwise::model::{
     generate, Architecture, Config, GenerateOptions, GgufFile, Interventions, LoadedModel, ModelId,
     NoObserver, Numerics,
@@ -31,6 +32,10 @@ pub enum BenchWhat {
     /// Requests/s and tokens/s of `headwise serve` on loopback at several client
     /// concurrencies, per policy; writes a report to --out.
     Serve,
+    /// The fast numerics' matrix kernels alone, on the model's own weights: one pass over
+    /// every decode matrix at 1-32 activation rows on each instruction set this CPU runs,
+    /// and the tiled prefill product at 64 and 256 rows.
+    Kernels,
 }
 
 #[derive(Args, Debug)]
@@ -79,6 +84,9 @@ pub struct WorkerArgs {
     prompt_tokens: usize,
     #[arg(long)]
     decode_tokens: usize,
+    /// `llama-bench` (engine `llama.cpp`).
+    #[arg(long)]
+    llama_bench: Option<PathBuf>,
     #[command(flatten)]
     model: ModelArgs,
 }
@@ -89,6 +97,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     }
     if args.what == Some(BenchWhat::Scoring) {
         return scoring(&args);
+    }
+    if args.what == Some(BenchWhat::Kernels) {
+        return kernels(&args);
     }
     if args.what == Some(BenchWhat::Serve) {
         return serve(&args);
@@ -102,9 +113,15 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     let cfg = Config::from_gguf(GgufFile::open(&path)?.content())?;
     let numerics = args.model.numerics_or(Numerics::Fast);
     let exe = std::env::current_exe()?;
+    eprintln!("measuring the read bandwidth ...");
+    let bandwidth = headwise::bench::read_bandwidth();
+    let mut engines = args.engines.clone();
+    if args.llama_bench.is_some() {
+        engines.push(LLAMA_CPP.into());
+    }
     let mut records: Vec<BenchRecord> = Vec::new();
     for &n in &args.prompt_tokens {
-        for engine in &args.engines {
+        for engine in &engines {
             if engine == "mistralrs" && cfg.architecture != Architecture::Llama {
                 eprintln!(
                     "skipping mistralrs at {n} prompt tokens: mistral.rs 0.8 cannot load {:?} from GGUF",
@@ -113,15 +130,20 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
                 continue;
             }
             eprintln!("measuring {engine} at {n} prompt tokens ...");
+            let mut worker = Command::new(&exe);
+            worker
+                .arg("bench-worker")
+                .args(["--engine", engine])
+                .args(["--prompt-tokens", &n.to_string()])
+                .args(["--decode-tokens", &args.decode_tokens.to_string()])
+                .arg("--model")
+                .arg(&path)
+                .args(["--numerics", numerics.name()]);
+            if let (LLAMA_CPP, Some(bin)) = (engine.as_str(), &args.llama_bench) {
+                worker.arg("--llama-bench").arg(bin);
+            }
             let out = wait::output_within(
-                Command::new(&exe)
-                    .arg("bench-worker")
-                    .args(["--engine", engine])
-                    .args(["--prompt-tokens", &n.to_string()])
-                    .args(["--decode-tokens", &args.decode_tokens.to_string()])
-                    .arg("--model")
-                    .arg(&path)
-                    .args(["--numerics", numerics.name()]),
+                &mut worker,
                 wait::setting(wait::BENCH_TIMEOUT)?,
                 &format!("the {engine} bench worker"),
                 wait::BENCH_TIMEOUT.0,
@@ -136,16 +158,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
             records.push(record);
         }
     }
-    if let Some(bin) = &args.llama_bench {
-        eprintln!("measuring llama.cpp ({}) ...", bin.display());
-        records.extend(llama_bench(
-            bin,
-            &path,
-            &args.prompt_tokens,
-            args.decode_tokens,
-        )?);
-    }
-    let table = table(&records);
+    let table = table(&records, Some(bandwidth));
     print!("{table}");
     let id = ModelId::of_file(&path)?;
     let made = Made::now(numerics.name());
@@ -155,7 +168,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
          `instrumented-vs-<engine>`.\n\n{table}",
         args.decode_tokens
     );
-    let records = speed_records(&id, &records, &made);
+    let records = speed_records(&id, &records, Some(bandwidth), &made);
     report(
         args.out.as_ref(),
         &id,
@@ -189,15 +202,19 @@ fn out_dir(out: Option<&PathBuf>, id: &ModelId, name: &str) -> PathBuf {
         .unwrap_or_else(|| PathBuf::from("eval/results").join(&id.name).join(name))
 }
 
-/// `llama-bench` (2 threads, 2 repetitions) per prompt length: prompt processing of `n`
-/// tokens, and generation of `decode` tokens after `n` tokens of context (`-d n`), the
-/// same two quantities the other engines report.
+/// The engine name of llama.cpp's rows.
+const LLAMA_CPP: &str = "llama.cpp";
+
+/// `llama-bench` (2 threads, 2 repetitions) at one prompt length, run from a worker so
+/// that the worker's children are llama-bench alone: prompt processing of `n` tokens, and
+/// generation of `decode` tokens after `n` tokens of context (`-d n`), the same two
+/// quantities the other engines report; the peak RSS is the larger child's `ru_maxrss`.
 fn llama_bench(
     bin: &std::path::Path,
     model: &std::path::Path,
-    lengths: &[usize],
+    n: usize,
     decode: usize,
-) -> anyhow::Result<Vec<BenchRecord>> {
+) -> anyhow::Result<BenchRecord> {
     let rate = |extra: &[String]| -> anyhow::Result<f64> {
         let out = wait::output_within(
             Command::new(bin)
@@ -222,27 +239,37 @@ fn llama_bench(
             .and_then(|r| r["avg_ts"].as_f64())
             .ok_or_else(|| anyhow::anyhow!("llama-bench printed no result for {extra:?}"))
     };
-    let mut records = Vec::new();
-    for &n in lengths {
-        let prompt = rate(&["-p".into(), n.to_string(), "-n".into(), "0".into()])?;
-        let gen = rate(&[
-            "-p".into(),
-            "0".into(),
-            "-n".into(),
-            decode.to_string(),
-            "-d".into(),
-            n.to_string(),
-        ])?;
-        records.push(BenchRecord {
-            engine: "llama.cpp".into(),
-            prompt_tokens: n,
-            decode_tokens: decode,
-            prefill_tok_s: prompt,
-            decode_tok_s: gen,
-            peak_rss_bytes: None,
-        });
-    }
-    Ok(records)
+    let prompt = rate(&["-p".into(), n.to_string(), "-n".into(), "0".into()])?;
+    let gen = rate(&[
+        "-p".into(),
+        "0".into(),
+        "-n".into(),
+        decode.to_string(),
+        "-d".into(),
+        n.to_string(),
+    ])?;
+    Ok(BenchRecord {
+        engine: LLAMA_CPP.into(),
+        prompt_tokens: n,
+        decode_tokens: decode,
+        prefill_tok_s: prompt,
+        decode_tok_s: gen,
+        peak_rss_bytes: children_peak_rss(),
+        isa: None,
+        step_bytes: None,
+        decode_parts: None,
+    })
+}
+
+/// The largest peak RSS among this process's waited-for children (bytes).
+fn children_peak_rss() -> Option<u64> {
+    // SAFETY: `getrusage` writes one `rusage` into the zeroed value it is given.
+    let usage = unsafe {
+        let mut usage: libc::rusage = std::mem::zeroed();
+        (libc::getrusage(libc::RUSAGE_CHILDREN, &mut usage) == 0).then_some(usage)
+    }?;
+    // Linux reports kilobytes.
+    u64::try_from(usage.ru_maxrss).ok().map(|kb| kb * 1024)
 }
 
 /// A prompt of exactly `n` tokens.
@@ -289,6 +316,7 @@ pub fn worker(args: WorkerArgs) -> anyhow::Result<()> {
                 },
             )?;
             let g = run(&ids, &opts)?;
+            let context = ids.len() + g.tokens.len();
             BenchRecord {
                 engine: args.engine.clone(),
                 prompt_tokens: ids.len(),
@@ -296,6 +324,12 @@ pub fn worker(args: WorkerArgs) -> anyhow::Result<()> {
                 prefill_tok_s: g.prefill_tok_s(),
                 decode_tok_s: g.decode_tok_s(),
                 peak_rss_bytes: peak_rss_bytes(),
+                isa: Some(Isa::active().name().into()),
+                step_bytes: Some(StepBytes {
+                    weights: lm.model.decode_weight_bytes() as u64,
+                    kv: lm.model.config().kv_view_bytes(context) as u64,
+                }),
+                decode_parts: Some(lm.model.time_decode_parts(context, 5)?),
             }
         }
         #[cfg(feature = "mistralrs")]
@@ -311,9 +345,19 @@ pub fn worker(args: WorkerArgs) -> anyhow::Result<()> {
                 prefill_tok_s: stats.prefill_tok_s,
                 decode_tok_s: stats.decode_tok_s,
                 peak_rss_bytes: peak_rss_bytes(),
+                isa: None,
+                step_bytes: None,
+                decode_parts: None,
             }
         }
-        other => anyhow::bail!("unknown engine `{other}` (instrumented, mistralrs)"),
+        LLAMA_CPP => {
+            let bin = args
+                .llama_bench
+                .as_ref()
+                .ok_or_else(|| anyhow::anyhow!("engine llama.cpp needs --llama-bench PATH"))?;
+            llama_bench(bin, &path, args.prompt_tokens, args.decode_tokens)?
+        }
+        other => anyhow::bail!("unknown engine `{other}` (instrumented, mistralrs, llama.cpp)"),
     };
     println!("{}", serde_json::to_string(&record)?);
     Ok(())
@@ -329,6 +373,93 @@ fn median_secs(n: usize, mut f: impl FnMut() -> anyhow::Result<()>) -> anyhow::R
     }
     t.sort_by(f64::total_cmp);
     Ok(t[n / 2])
+}
+
+/// `headwise bench kernels`: seconds per pass over every decode matrix of the model
+/// (the fast numerics' blocks) at several activation-row counts, per instruction set,
+/// each the median of 7; and the speed-up of each set over the portable loop at the same
+/// rows, measured in the same run.
+fn kernels(args: &BenchArgs) -> anyhow::Result<()> {
+    let path = args.model.resolve()?;
+    let id = ModelId::of_file(&path)?;
+    let lm = LoadedModel::load(&path, Numerics::Fast)?;
+    let matrices: Vec<_> = lm
+        .model
+        .matrices()
+        .into_iter()
+        .filter_map(|l| l.blocks())
+        .collect();
+    let bytes: usize = matrices.iter().map(|m| m.bytes()).sum();
+    let widest = matrices.iter().map(|m| m.cols()).max().unwrap_or(0);
+    let x: Vec<f32> = (0..256 * widest)
+        .map(|i| ((i * 7919) % 61) as f32 / 30.0 - 1.0)
+        .collect();
+    let pass = |rows: usize, f: &dyn Fn(&headwise::model::kernels::BlockMatrix, &[f32])| {
+        median_secs(7, || {
+            for m in &matrices {
+                f(m, &x[..rows * m.cols()]);
+            }
+            Ok(())
+        })
+    };
+    // (path, rows, seconds per pass)
+    let mut rows_measured: Vec<(String, usize, f64)> = Vec::new();
+    for isa in Isa::available() {
+        for rows in [1, 2, 4, 8, 16, 32] {
+            eprintln!("{isa}: {rows} rows ...");
+            let t = pass(rows, &|m, x| {
+                m.quantized_product(x, rows, isa);
+            })?;
+            rows_measured.push((isa.name().into(), rows, t));
+        }
+    }
+    for rows in [64, 256] {
+        eprintln!("tiled: {rows} rows ...");
+        let t = pass(rows, &|m, x| {
+            m.tiled_product(x, rows);
+        })?;
+        rows_measured.push(("tiled".into(), rows, t));
+    }
+    let portable = |rows: usize| {
+        rows_measured
+            .iter()
+            .find(|(p, r, _)| p == "portable" && *r == rows)
+            .map(|m| m.2)
+    };
+    let mut md = format!(
+        "One pass over the {} decode matrices of the model ({:.1} MiB of blocks), \
+         median of 7, in this process; the speed-up is over the portable loop at the same \
+         rows in the same run.\n\n\
+         | path | activation rows | ms per pass | us per row per pass | weight GB/s | \
+         speed-up over portable |\n| --- | ---: | ---: | ---: | ---: | ---: |\n",
+        matrices.len(),
+        bytes as f64 / (1 << 20) as f64
+    );
+    let made = Made::now(Numerics::Fast.name());
+    let record = recorder("bench-kernels", &id, None, &made);
+    let mut records = Vec::new();
+    for (p, rows, t) in &rows_measured {
+        let speedup = portable(*rows).map_or("-".to_string(), |b| format!("{:.2}x", b / t));
+        md.push_str(&format!(
+            "| {p} | {rows} | {:.3} | {:.1} | {:.2} | {speedup} |\n",
+            1e3 * t,
+            1e6 * t / *rows as f64,
+            bytes as f64 / t / 1e9
+        ));
+        let task = format!("{p} x{rows}");
+        records.push(record(&task, None, "seconds_per_pass", *t, 7));
+        records.push(record(&task, None, "weight_bytes_s", bytes as f64 / t, 7));
+    }
+    print!("{md}");
+    report(
+        args.out.as_ref(),
+        &id,
+        "bench-kernels",
+        "Matrix kernels",
+        &md,
+        &records,
+        &made,
+    )
 }
 
 /// `headwise bench scoring`: one NIAH trial of 2,000 haystack tokens scored (observed

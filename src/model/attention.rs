@@ -1,4 +1,4 @@
-//! Two implementations of `softmax(q k^T / sqrt(d) + mask) v` with GQA, chosen by
+//! Five implementations of `softmax(q k^T / sqrt(d) + mask) v` with GQA, chosen by
 //! [`Numerics`](crate::model::Numerics):
 //!
 //! * [`batched`]: candle matrix products and a softmax over the whole score matrix:
@@ -7,7 +7,9 @@
 //!   sees, for a prefill whose probabilities nobody reads;
 //! * [`single_query`]: one decode step in plain loops over the KV cache, parallel over
 //!   KV heads and parts of the keys, 16-lane dot products and a vectorised `exp`: a
-//!   matrix product with one row spends most of its time packing operands;
+//!   matrix product with one row spends most of its time packing operands. Its loops,
+//!   and the softmax of [`blocked`], are compiled for AVX2 and AVX-512 besides the
+//!   build's own target and chosen at run time ([`Isa`]), with the same floats on each;
 //! * [`streaming`]: a one-pass online softmax (Milakov and Gimelshein 2018, as in
 //!   FlashAttention) that visits key positions in order, one query row at a time, and
 //!   for a single query splits the keys into tiles of 16 merged left to right. This is the
@@ -28,8 +30,37 @@
 use candle_core::{Device, Storage, Tensor};
 use rayon::prelude::*;
 
+use crate::model::kernels::Isa;
 use crate::model::{fast_exp, ggml};
 use crate::{Error, Result};
+
+/// Call `$f($args)`, an `#[inline(always)]` function of plain loops, compiled for the
+/// widest vectors `$isa` allows: the loops are the same, so the floats are too
+/// (no reassociation, no fused multiply-add), only the vector width differs.
+macro_rules! simd {
+    ($isa:expr, $f:ident($($arg:expr),*)) => {{
+        #[cfg(target_arch = "x86_64")]
+        {
+            #[target_feature(enable = "avx512f,avx2,fma")]
+            unsafe fn wide(f: impl FnOnce()) {
+                f()
+            }
+            #[target_feature(enable = "avx2,fma")]
+            unsafe fn narrow(f: impl FnOnce()) {
+                f()
+            }
+            let isa: Isa = $isa;
+            match if isa.supported() { isa } else { Isa::Portable } {
+                // SAFETY: the CPU was checked to run the set.
+                Isa::Avx512Vnni => unsafe { wide(|| $f($($arg),*)) },
+                Isa::Avx2 => unsafe { narrow(|| $f($($arg),*)) },
+                Isa::Portable => $f($($arg),*),
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        $f($($arg),*)
+    }};
+}
 
 /// Keys per tile in the single-query path.
 const TILE: usize = 16;
@@ -124,18 +155,8 @@ pub(crate) fn blocked(
                 row[seen.end..].fill(0.0);
                 let at = seen.start;
                 let row = &mut row[seen];
-                row.iter_mut().for_each(|x| *x *= scale);
-                if let Some(b) = &bias {
-                    let b = &b[r * width + at..][..row.len()];
-                    row.iter_mut().zip(b).for_each(|(x, b)| *x += b);
-                }
-                let max = fast_exp::max(row);
-                if max == f32::NEG_INFINITY {
-                    row.fill(0.0);
-                    return;
-                }
-                let inv = 1.0 / fast_exp::exp_shifted(row, max);
-                row.iter_mut().for_each(|x| *x *= inv);
+                let b = bias.as_ref().map(|b| &b[r * width + at..][..row.len()]);
+                simd!(Isa::active(), scaled_softmax(row, scale, b));
             });
         let probs = Tensor::from_vec(w, (nkv, group * n, width), &Device::Cpu)?;
         let out = probs
@@ -150,6 +171,7 @@ pub(crate) fn blocked(
 const LANES: usize = 16;
 
 /// Dot product with `LANES` independent accumulators (the compiler maps them to SIMD).
+#[inline(always)]
 fn dot_lanes(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; LANES];
     let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
@@ -175,31 +197,20 @@ fn dot_lanes(a: &[f32], b: &[f32]) -> f32 {
     acc[0] + tail
 }
 
-/// Dot product of two rows: AVX-512 when the CPU has it and the width is a multiple of
-/// 16, else [`dot_lanes`].
-#[inline]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    if a.len().is_multiple_of(LANES) && std::arch::is_x86_feature_detected!("avx512f") {
-        // SAFETY: the feature was detected; lengths are equal multiples of 16.
-        return unsafe { dot_avx512(a, b) };
+/// `softmax(row * scale + bias)` in place (all zeros when every entry is `-inf`).
+#[inline(always)]
+fn scaled_softmax(row: &mut [f32], scale: f32, bias: Option<&[f32]>) {
+    row.iter_mut().for_each(|x| *x *= scale);
+    if let Some(b) = bias {
+        row.iter_mut().zip(b).for_each(|(x, b)| *x += b);
     }
-    dot_lanes(a, b)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn dot_avx512(a: &[f32], b: &[f32]) -> f32 {
-    use std::arch::x86_64::*;
-    let mut acc = _mm512_setzero_ps();
-    for i in (0..a.len().min(b.len())).step_by(LANES) {
-        acc = _mm512_fmadd_ps(
-            _mm512_loadu_ps(a.as_ptr().add(i)),
-            _mm512_loadu_ps(b.as_ptr().add(i)),
-            acc,
-        );
+    let max = fast_exp::max(row);
+    if max == f32::NEG_INFINITY {
+        row.fill(0.0);
+        return;
     }
-    _mm512_reduce_add_ps(acc)
+    let inv = 1.0 / fast_exp::exp_shifted(row, max);
+    row.iter_mut().for_each(|x| *x *= inv);
 }
 
 /// Fewest keys in one part of the single-query path: below this, splitting the keys
@@ -274,6 +285,17 @@ struct Task {
     accs: Vec<f32>,
 }
 
+/// [`decode_rows_on`] with the instruction set in force.
+pub(crate) fn decode_rows(
+    q: &[f32],
+    dh: usize,
+    heads: &[KvRows],
+    masks: &[Option<&[f32]>],
+    want_probs: bool,
+) -> (Vec<f32>, Option<Vec<Vec<f32>>>) {
+    decode_rows_on(Isa::active(), q, dh, heads, masks, want_probs)
+}
+
 /// Attention of one query position per head over per-KV-head rows that may differ in
 /// length: queries `q` `(n_heads * d_head)`, query head `h` reading `heads[h / group]`;
 /// `masks[h]`, when given, is an additive bias over that KV head's rows. Returns the
@@ -285,7 +307,8 @@ struct Task {
 /// per step, not once per query head. A task leaves, per query head, the unnormalised
 /// weights `exp(s - m_part)`, their maximum `m_part` and sum, and `sum_j w_j v_j`; the
 /// parts are then merged with the usual rescaling by `exp(m_part - m)`.
-pub(crate) fn decode_rows(
+fn decode_rows_on(
+    isa: Isa,
     q: &[f32],
     dh: usize,
     heads: &[KvRows],
@@ -315,41 +338,17 @@ pub(crate) fn decode_rows(
             });
         }
     }
-    tasks.par_iter_mut().for_each(|task| {
-        let rows = &heads[task.kv_head];
-        let n = task.keys.len();
-        let w = &mut task.weights;
-        for (i, j) in task.keys.clone().enumerate() {
-            let k = &rows.keys[j * dh..][..dh];
-            for g in 0..group {
-                let h = task.kv_head * group + g;
-                w[g * n + i] = dot(&q[h * dh..(h + 1) * dh], k) * scale;
-            }
-        }
-        for (g, st) in task.stats.iter_mut().enumerate() {
-            let row = &mut w[g * n..(g + 1) * n];
-            if let Some(m) = masks[task.kv_head * group + g] {
-                let bias = &m[task.keys.clone()];
-                row.iter_mut().zip(bias).for_each(|(p, b)| *p += b);
-            }
-            st.max = fast_exp::max(row);
-            st.sum = if st.max == f32::NEG_INFINITY {
-                row.fill(0.0);
-                0.0
-            } else {
-                fast_exp::exp_shifted(row, st.max)
-            };
-        }
-        for (i, j) in task.keys.clone().enumerate() {
-            let v = &rows.values[j * dh..][..dh];
-            for (g, acc) in task.accs.chunks_exact_mut(dh).enumerate() {
-                let p = w[g * n + i];
-                if p != 0.0 {
-                    acc.iter_mut().zip(v).for_each(|(a, x)| *a += p * x);
-                }
-            }
-        }
-    });
+    let step = Step {
+        q,
+        dh,
+        group,
+        scale,
+        heads,
+        masks,
+    };
+    tasks
+        .par_iter_mut()
+        .for_each(|task| simd!(isa, run_task(task, &step)));
     // Merge the parts of each query head (tasks of one KV head are consecutive).
     let mut out = vec![0f32; nh * dh];
     let mut probs = want_probs.then(|| {
@@ -402,6 +401,63 @@ pub(crate) fn decode_rows(
         first = end;
     }
     (out, probs)
+}
+
+/// What every task of one [`decode_rows`] call reads.
+struct Step<'a> {
+    q: &'a [f32],
+    dh: usize,
+    group: usize,
+    scale: f32,
+    heads: &'a [KvRows<'a>],
+    masks: &'a [Option<&'a [f32]>],
+}
+
+/// One task of [`decode_rows`]: scores, softmax statistics and weighted value sums of
+/// its part of the keys for every query head of its KV head.
+#[inline(always)]
+fn run_task(task: &mut Task, step: &Step) {
+    let Step {
+        q,
+        dh,
+        group,
+        scale,
+        heads,
+        masks,
+    } = *step;
+    let rows = &heads[task.kv_head];
+    let n = task.keys.len();
+    let w = &mut task.weights;
+    for (i, j) in task.keys.clone().enumerate() {
+        let k = &rows.keys[j * dh..][..dh];
+        for g in 0..group {
+            let h = task.kv_head * group + g;
+            w[g * n + i] = dot_lanes(&q[h * dh..(h + 1) * dh], k) * scale;
+        }
+    }
+    for (g, st) in task.stats.iter_mut().enumerate() {
+        let row = &mut w[g * n..(g + 1) * n];
+        if let Some(m) = masks[task.kv_head * group + g] {
+            let bias = &m[task.keys.clone()];
+            row.iter_mut().zip(bias).for_each(|(p, b)| *p += b);
+        }
+        st.max = fast_exp::max(row);
+        st.sum = if st.max == f32::NEG_INFINITY {
+            row.fill(0.0);
+            0.0
+        } else {
+            fast_exp::exp_shifted(row, st.max)
+        };
+    }
+    for (i, j) in task.keys.clone().enumerate() {
+        let v = &rows.values[j * dh..][..dh];
+        for (g, acc) in task.accs.chunks_exact_mut(dh).enumerate() {
+            let p = w[g * n + i];
+            if p != 0.0 {
+                acc.iter_mut().zip(v).for_each(|(a, x)| *a += p * x);
+            }
+        }
+    }
 }
 
 /// One query head's softmax statistics over one part of the keys.
@@ -727,8 +783,37 @@ mod tests {
             let a: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
             let b: Vec<f32> = (0..n).map(|i| (i as f32 * 0.11).cos()).collect();
             let want: f64 = a.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
-            assert!((dot(&a, &b) as f64 - want).abs() < 1e-4, "n {n}");
             assert!((dot_lanes(&a, &b) as f64 - want).abs() < 1e-4, "n {n}");
+        }
+    }
+
+    #[test]
+    fn decode_attention_is_the_same_on_every_instruction_set() {
+        let (nh, nkv, len, dh) = (6, 2, 300, 64);
+        let q = Tensor::randn(0f32, 1.0, (nh * dh,), &Device::Cpu).unwrap();
+        let q: Vec<f32> = q.to_vec1().unwrap();
+        let kv = Tensor::randn(0f32, 1.0, (2 * nkv * len * dh,), &Device::Cpu).unwrap();
+        let kv: Vec<f32> = kv.to_vec1().unwrap();
+        let heads: Vec<KvRows> = (0..nkv)
+            .map(|h| KvRows {
+                keys: &kv[h * len * dh..][..len * dh],
+                values: &kv[(nkv + h) * len * dh..][..len * dh],
+                len,
+            })
+            .collect();
+        let bias: Vec<f32> = (0..len)
+            .map(|j| if j % 7 == 0 { f32::NEG_INFINITY } else { 0.1 })
+            .collect();
+        let masks: Vec<Option<&[f32]>> =
+            (0..nh).map(|h| (h % 2 == 0).then_some(&bias[..])).collect();
+        let (out, probs) = decode_rows_on(Isa::Portable, &q, dh, &heads, &masks, true);
+        for isa in Isa::available() {
+            let (o, p) = decode_rows_on(isa, &q, dh, &heads, &masks, true);
+            assert!(
+                o.iter().zip(&out).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{isa}"
+            );
+            assert_eq!(p, probs, "{isa}");
         }
     }
 

@@ -116,6 +116,17 @@ pub struct Config {
 }
 
 impl Config {
+    /// Bytes of f32 keys and values a decode step reads at `context` positions: every
+    /// layer's rows in view (a sliding-window layer's window at most).
+    pub fn kv_view_bytes(&self, context: usize) -> usize {
+        (0..self.n_layers)
+            .map(|l| {
+                let seen = self.layer(l).window.map_or(context, |w| w.min(context));
+                2 * seen * self.n_kv_heads * self.d_head * std::mem::size_of::<f32>()
+            })
+            .sum()
+    }
+
     /// Query heads that share one KV head.
     pub fn group_size(&self) -> usize {
         self.n_heads / self.n_kv_heads

@@ -37,12 +37,14 @@ pub fn exp(x: f32) -> f32 {
 const LANES: usize = 16;
 
 /// Replace every `x` of `row` by `exp(x - max)` and return their sum.
+#[inline(always)]
 pub fn exp_shifted(row: &mut [f32], max: f32) -> f32 {
     row.iter_mut().for_each(|x| *x = exp(*x - max));
     sum(row)
 }
 
 /// Sum of `xs` in [`LANES`] interleaved partial sums.
+#[inline(always)]
 pub fn sum(xs: &[f32]) -> f32 {
     let mut acc = [0f32; LANES];
     let chunks = xs.chunks_exact(LANES);
@@ -54,6 +56,7 @@ pub fn sum(xs: &[f32]) -> f32 {
 }
 
 /// Largest of `xs` (`-inf` when empty).
+#[inline(always)]
 pub fn max(xs: &[f32]) -> f32 {
     let mut acc = [f32::NEG_INFINITY; LANES];
     let chunks = xs.chunks_exact(LANES);

@@ -9,7 +9,7 @@ use std::fs::File;
 use std::io::{BufReader, Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
-use candle_core::quantized::{gguf_file::Content, QTensor};
+use candle_core::quantized::{gguf_file::Content, GgmlDType, QTensor};
 use candle_core::Device;
 
 use crate::{Error, Result};
@@ -20,6 +20,24 @@ pub trait TensorSource {
     fn has(&self, name: &str) -> bool;
     /// Read one tensor.
     fn tensor(&mut self, name: &str) -> Result<QTensor>;
+    /// Read one tensor's bytes as the file stores them, without building a `QTensor`
+    /// (which holds a second copy while it is built).
+    fn raw(&mut self, name: &str) -> Result<RawTensor> {
+        let t = self.tensor(name)?;
+        Ok(RawTensor {
+            dtype: t.dtype(),
+            dims: t.shape().dims().to_vec(),
+            bytes: t.data()?.into_owned(),
+        })
+    }
+}
+
+/// A tensor's type, shape (candle's order: the last dimension contiguous) and bytes.
+#[derive(Debug, Clone)]
+pub struct RawTensor {
+    pub dtype: GgmlDType,
+    pub dims: Vec<usize>,
+    pub bytes: Vec<u8>,
 }
 
 /// An opened, checked GGUF file.
@@ -334,6 +352,27 @@ impl TensorSource for GgufFile {
                 name: name.to_string(),
                 reason: e.to_string(),
             })
+    }
+
+    fn raw(&mut self, name: &str) -> Result<RawTensor> {
+        let info = self
+            .content
+            .tensor_infos
+            .get(name)
+            .ok_or_else(|| Error::Tensor {
+                name: name.to_string(),
+                reason: "missing from the file".into(),
+            })?;
+        let (dtype, dims) = (info.ggml_dtype, info.shape.dims().to_vec());
+        // `open` checked that these bytes lie inside the file.
+        let len = dims.iter().product::<usize>() / dtype.block_size() * dtype.type_size();
+        let start = self.content.tensor_data_offset + info.offset;
+        let mut bytes = vec![0u8; len];
+        self.reader
+            .seek(SeekFrom::Start(start))
+            .and_then(|_| self.reader.read_exact(&mut bytes))
+            .map_err(|e| Error::io(&self.path, e))?;
+        Ok(RawTensor { dtype, dims, bytes })
     }
 }
 

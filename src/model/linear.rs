@@ -3,17 +3,20 @@
 //! * [`Numerics::Reference`] multiplies with the file's own quantized blocks through
 //!   `QMatMul`, exactly the path mistral.rs takes (activations are quantized to the
 //!   weight type's dot-product partner, e.g. Q8_1 for Q4_1): the parity mode.
-//! * [`Numerics::Fast`] keeps a dequantized f32 copy for batched rows (prefill: a SIMD
-//!   gemm is ~9x faster than quantized dot products at 64 rows) and an 8-bit copy for
-//!   single rows ([`Q8Matrix`]: decode streams every weight once per token, and candle
-//!   has no SIMD kernel for Q4_1).
+//! * [`Numerics::Fast`] keeps one copy of each weight, in blocks
+//!   ([`BlockMatrix`](crate::model::kernels::BlockMatrix): Q4_1 and Q8_0 as the file
+//!   stores them, other types requantized to Q8_0), multiplied by 8-bit integer kernels
+//!   for a few rows (decode) and through dequantized cache-sized tiles and `gemm` for
+//!   many (prefill); no f32 copy of a weight is kept.
 
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
 
+use std::sync::Arc;
+
 use crate::model::ggml::InputGrid;
 use crate::model::ggml_quant::QuantMatrix;
-use crate::model::q8::{Q41Matrix, Q8Matrix};
+use crate::model::kernels::{BlockMatrix, Format};
 
 use crate::Result;
 
@@ -27,7 +30,8 @@ pub enum Numerics {
     /// [`crate::model::ggml_quant`]): quantized matmuls on the weights' own codes in
     /// ggml's order, its norms, RoPE, GELU table and plain f32 attention.
     Ggml,
-    /// Dequantized f32 for batched rows, Q8_0 for single rows.
+    /// One copy of each weight in Q4_1 or Q8_0 blocks: 8-bit integer kernels for a few
+    /// rows, dequantized tiles and `gemm` for many.
     #[default]
     Fast,
 }
@@ -58,18 +62,16 @@ impl std::str::FromStr for Numerics {
     }
 }
 
-/// Rows from which the dense f32 weight is used in [`Numerics::Fast`].
-const DENSE_MIN_ROWS: usize = 4;
-
-/// How rows below [`DENSE_MIN_ROWS`] (decode steps) are multiplied.
+/// How a [`Linear`] multiplies.
 #[derive(Debug, Clone)]
 enum RowPath {
-    /// candle's `QMatMul` (the file's blocks, or an f32 weight).
+    /// candle's `QMatMul`: the file's blocks ([`Numerics::Reference`]), or an f32 weight
+    /// (`QMatMul::Tensor`: [`Numerics::Fast`] for weights that are f32 in the file or
+    /// whose width is not whole blocks).
     Candle(QMatMul),
-    /// headwise's 8-bit matrix-vector kernel.
-    Q8(Q8Matrix),
-    /// headwise's kernel over the file's own Q4_1 blocks.
-    Q41(Q41Matrix),
+    /// [`Numerics::Fast`]: the weight in Q4_1 or Q8_0 blocks, for any number of rows
+    /// (shared with the token embedding when the LM head is tied to it).
+    Blocks(Arc<BlockMatrix>),
     /// [`Numerics::Ggml`], for any number of rows: ggml's own quantized product, and the
     /// f32 `weight` `(out, in)` for readers of the weight.
     GgmlExact { matrix: QuantMatrix, weight: Tensor },
@@ -79,56 +81,67 @@ enum RowPath {
     Ggml { grid: InputGrid, weight: Tensor },
 }
 
-/// The parts' Q4_1 blocks stacked row-wise, if every part is a 2-D Q4_1 tensor.
-fn stacked_q4_1(parts: &[&QTensor]) -> Result<Option<Q41Matrix>> {
-    if parts.iter().any(|p| p.dtype() != GgmlDType::Q4_1) {
-        return Ok(None);
+/// A 2-D weight `(out, in)` dequantized and requantized to Q8_0; `None` if the width is
+/// not whole blocks.
+fn requantized_q8_0(weight: &QTensor) -> Result<Option<BlockMatrix>> {
+    let (out, inp) = weight.shape().dims2()?;
+    let dense = weight.dequantize(&Device::Cpu)?.flatten_all()?;
+    Ok(BlockMatrix::quantize_q8_0(
+        &dense.to_vec1::<f32>()?,
+        out,
+        inp,
+    ))
+}
+
+/// The [`Numerics::Fast`] blocks of a 2-D weight `(out, in)`: Q4_1 and Q8_0 as the file
+/// stores them, any other type requantized to Q8_0; `None` if the width is not whole
+/// blocks or the weight is f32 in the file (kept exact).
+pub(crate) fn fast_blocks(weight: &QTensor) -> Result<Option<BlockMatrix>> {
+    let (out, inp) = weight.shape().dims2()?;
+    let file = |format| -> Result<Option<BlockMatrix>> {
+        Ok(BlockMatrix::from_blocks(
+            format,
+            weight.data()?.into_owned(),
+            out,
+            inp,
+        ))
+    };
+    match weight.dtype() {
+        GgmlDType::F32 => Ok(None),
+        GgmlDType::Q4_1 => file(Format::Q4_1),
+        GgmlDType::Q8_0 => file(Format::Q8_0),
+        _ => requantized_q8_0(weight),
     }
-    let mut raw = Vec::new();
-    let (mut rows, mut cols) = (0, None);
-    for p in parts {
-        let (out, inp) = p.shape().dims2()?;
-        if cols.is_some_and(|c| c != inp) {
-            return Ok(None);
-        }
-        cols = Some(inp);
-        rows += out;
-        raw.extend_from_slice(&p.data()?);
-    }
-    Ok(cols.and_then(|c| Q41Matrix::from_gguf(raw, rows, c)))
 }
 
 /// `y = x W^T` for a weight `W` of shape `(out, in)`.
 #[derive(Debug, Clone)]
 pub struct Linear {
     rows: RowPath,
-    /// `(out, in)` f32, present in [`Numerics::Fast`].
-    dense: Option<Tensor>,
 }
 
 impl Linear {
     /// Build from a GGUF tensor of shape `(out, in)`.
     pub fn new(weight: QTensor, numerics: Numerics) -> Result<Self> {
-        match numerics {
-            Numerics::Reference => Ok(Self {
-                rows: RowPath::Candle(QMatMul::from_qtensor(weight)?),
-                dense: None,
-            }),
-            Numerics::Fast => {
-                let dense = weight.dequantize(&Device::Cpu)?;
-                if let Some(m) = stacked_q4_1(&[&weight])? {
-                    return Ok(Self {
-                        rows: RowPath::Q41(m),
-                        dense: Some(dense),
-                    });
-                }
-                let exact = weight.dtype() == GgmlDType::F32;
-                Self::fast(dense, !exact, || QMatMul::from_qtensor(weight))
-            }
+        let rows = match numerics {
+            Numerics::Reference => RowPath::Candle(QMatMul::from_qtensor(weight)?),
+            Numerics::Fast => match fast_blocks(&weight)? {
+                Some(m) => RowPath::Blocks(Arc::new(m)),
+                None => RowPath::Candle(QMatMul::Tensor(weight.dequantize(&Device::Cpu)?)),
+            },
             Numerics::Ggml => {
                 let dense = weight.dequantize(&Device::Cpu)?;
-                Self::ggml(&weight, dense)
+                return Self::ggml(&weight, dense);
             }
+        };
+        Ok(Self { rows })
+    }
+
+    /// A [`Numerics::Fast`] layer on blocks that another reader may share (the tied
+    /// token embedding).
+    pub fn shared(matrix: Arc<BlockMatrix>) -> Self {
+        Self {
+            rows: RowPath::Blocks(matrix),
         }
     }
 
@@ -145,86 +158,77 @@ impl Linear {
                 weight: dense,
             },
         };
-        Ok(Self { rows, dense: None })
+        Ok(Self { rows })
     }
 
-    /// A [`Numerics::Fast`] layer from an f32 weight `(out, in)`. Single rows go through
-    /// [`Q8Matrix`] when `requantize` and the width allows, else through `fallback`.
-    fn fast(
-        dense: Tensor,
-        requantize: bool,
-        fallback: impl FnOnce() -> candle_core::Result<QMatMul>,
-    ) -> Result<Self> {
-        let q8 = if requantize {
-            let (out, inp) = dense.dims2()?;
-            Q8Matrix::quantize(&dense.flatten_all()?.to_vec1::<f32>()?, out, inp)
-        } else {
-            None
-        };
-        let rows = match q8 {
-            Some(m) => RowPath::Q8(m),
-            None if requantize => RowPath::Candle(fallback()?),
-            None => RowPath::Candle(QMatMul::Tensor(dense.clone())),
-        };
-        Ok(Self {
-            rows,
-            dense: Some(dense),
-        })
-    }
-
-    /// Like [`Linear::new`], sharing an already dequantized copy of the weight
-    /// (tied embeddings: the embedding table is the LM head).
+    /// Like [`Linear::new`], sharing an already dequantized copy of the weight in
+    /// [`Numerics::Ggml`] (tied embeddings).
     pub fn with_dense(weight: QTensor, dense: &Tensor, numerics: Numerics) -> Result<Self> {
         match numerics {
-            Numerics::Reference => Self::new(weight, numerics),
-            Numerics::Fast => {
-                let exact = weight.dtype() == GgmlDType::F32;
-                Self::fast(dense.clone(), !exact, || QMatMul::from_qtensor(weight))
-            }
             Numerics::Ggml => Self::ggml(&weight, dense.clone()),
+            Numerics::Reference | Numerics::Fast => Self::new(weight, numerics),
         }
     }
 
     /// `x`: `(rows, in)` f32 -> `(rows, out)`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let rows = x.dim(0)?;
-        match (&self.dense, &self.rows) {
-            (Some(w), _) if rows >= DENSE_MIN_ROWS => Ok(x.matmul(&w.t()?)?),
-            (_, RowPath::Candle(q)) => Ok(q.forward(x)?),
-            (_, RowPath::Q8(m)) => per_row(x, m.rows(), |v| m.gemv(v)),
-            (_, RowPath::Q41(m)) => per_row(x, m.rows(), |v| m.gemv(v)),
-            (_, RowPath::GgmlExact { matrix, .. }) => matrix.forward(x),
-            (_, RowPath::Ggml { grid, weight }) => Ok(grid.round_trip(x)?.matmul(&weight.t()?)?),
+        match &self.rows {
+            RowPath::Candle(q) => Ok(q.forward(x)?),
+            RowPath::Blocks(m) => {
+                let (n, inp) = x.dims2()?;
+                if inp != m.cols() {
+                    return Err(crate::Error::invalid(
+                        "linear input",
+                        format!("width {inp}, the weight takes {}", m.cols()),
+                    ));
+                }
+                let xs = x.flatten_all()?.to_vec1::<f32>()?;
+                Ok(Tensor::from_vec(
+                    m.matmul(&xs, n),
+                    (n, m.rows()),
+                    &Device::Cpu,
+                )?)
+            }
+            RowPath::GgmlExact { matrix, .. } => matrix.forward(x),
+            RowPath::Ggml { grid, weight } => Ok(grid.round_trip(x)?.matmul(&weight.t()?)?),
         }
     }
 
-    /// The weight as f32 `(out, in)`.
+    /// The weight as f32 `(out, in)`: in [`Numerics::Fast`] the values it multiplies with
+    /// (for a weight requantized to Q8_0, those of its Q8_0 blocks).
     pub fn dequantized(&self) -> Result<Tensor> {
-        match (&self.dense, &self.rows) {
-            (Some(w), _) => Ok(w.clone()),
-            (None, RowPath::Candle(QMatMul::QTensor(t))) => Ok(t.dequantize(&Device::Cpu)?),
-            (None, RowPath::Candle(QMatMul::Tensor(t) | QMatMul::TensorF16(t))) => {
+        match &self.rows {
+            RowPath::Candle(QMatMul::QTensor(t)) => Ok(t.dequantize(&Device::Cpu)?),
+            RowPath::Candle(QMatMul::Tensor(t) | QMatMul::TensorF16(t)) => {
                 Ok(t.to_dtype(candle_core::DType::F32)?)
             }
-            (None, RowPath::Ggml { weight, .. } | RowPath::GgmlExact { weight, .. }) => {
-                Ok(weight.clone())
-            }
-            (None, RowPath::Q8(_) | RowPath::Q41(_)) => Err(crate::Error::invalid(
-                "weight",
-                "an 8-bit decode weight without its f32 copy",
-            )),
+            RowPath::Blocks(m) => Ok(Tensor::from_vec(
+                m.dequantize(),
+                (m.rows(), m.cols()),
+                &Device::Cpu,
+            )?),
+            RowPath::Ggml { weight, .. } | RowPath::GgmlExact { weight, .. } => Ok(weight.clone()),
         }
     }
-}
 
-/// `x` `(rows, in)` through a matrix-vector product one row at a time -> `(rows, out)`.
-fn per_row(x: &Tensor, out: usize, gemv: impl Fn(&[f32]) -> Vec<f32>) -> Result<Tensor> {
-    let rows = x.dim(0)?;
-    let mut y = Vec::with_capacity(rows * out);
-    for r in 0..rows {
-        y.extend(gemv(&x.get(r)?.to_vec1::<f32>()?));
+    /// The weight's blocks, in [`Numerics::Fast`] when it is kept in blocks.
+    pub fn blocks(&self) -> Option<&BlockMatrix> {
+        match &self.rows {
+            RowPath::Blocks(m) => Some(m),
+            _ => None,
+        }
     }
-    Ok(Tensor::from_vec(y, (rows, out), &Device::Cpu)?)
+
+    /// Bytes of weight data that one row of input streams (what decode is bound by).
+    pub fn weight_bytes(&self) -> usize {
+        match &self.rows {
+            RowPath::Blocks(m) => m.bytes(),
+            RowPath::Candle(QMatMul::QTensor(t)) => t.storage_size_in_bytes(),
+            RowPath::Candle(QMatMul::Tensor(t) | QMatMul::TensorF16(t))
+            | RowPath::Ggml { weight: t, .. }
+            | RowPath::GgmlExact { weight: t, .. } => t.elem_count() * t.dtype().size_in_bytes(),
+        }
+    }
 }
 
 /// Several projections of the same input (Q, K and V; gate and up).
@@ -252,29 +256,51 @@ impl Projections {
                     .collect::<Result<_>>()?,
             )),
             Numerics::Fast => {
-                let dense = parts
+                let widths: Vec<usize> = parts
                     .iter()
-                    .map(|p| p.dequantize(&Device::Cpu))
-                    .collect::<candle_core::Result<Vec<_>>>()?;
-                let widths: Vec<usize> = dense
-                    .iter()
-                    .map(|d| d.dim(0))
+                    .map(|p| p.shape().dims2().map(|(out, _)| out))
                     .collect::<candle_core::Result<_>>()?;
-                let stacked = Tensor::cat(&dense, 0)?;
-                if let Some(m) = stacked_q4_1(&parts.iter().collect::<Vec<_>>())? {
-                    let weight = Linear {
-                        rows: RowPath::Q41(m),
-                        dense: Some(stacked),
-                    };
-                    return Ok(Projections::Stacked { weight, widths });
-                }
-                let requantize = parts.iter().any(|p| p.dtype() != GgmlDType::F32);
-                let fallback = || Ok(QMatMul::Tensor(stacked.clone()));
-                Ok(Projections::Stacked {
-                    weight: Linear::fast(stacked.clone(), requantize, fallback)?,
-                    widths,
-                })
+                let blocks = parts
+                    .iter()
+                    .map(fast_blocks)
+                    .collect::<Result<Option<Vec<BlockMatrix>>>>()?;
+                // One format for all parts: Q4_1 only if every part is Q4_1, else Q8_0
+                // (a Q8_0 part requantized to Q8_0 keeps its codes).
+                let blocks = match blocks {
+                    Some(b) => match BlockMatrix::stack(b) {
+                        Some(m) => Some(m),
+                        None => BlockMatrix::stack(
+                            parts
+                                .iter()
+                                .map(requantized_q8_0)
+                                .collect::<Result<Option<Vec<_>>>>()?
+                                .unwrap_or_default(),
+                        ),
+                    },
+                    None => None,
+                };
+                let weight = match blocks {
+                    Some(m) => Linear::shared(Arc::new(m)),
+                    None => {
+                        let dense = parts
+                            .iter()
+                            .map(|p| p.dequantize(&Device::Cpu))
+                            .collect::<candle_core::Result<Vec<_>>>()?;
+                        Linear {
+                            rows: RowPath::Candle(QMatMul::Tensor(Tensor::cat(&dense, 0)?)),
+                        }
+                    }
+                };
+                Ok(Projections::Stacked { weight, widths })
             }
+        }
+    }
+
+    /// The layers (one when stacked).
+    pub fn layers(&self) -> Vec<&Linear> {
+        match self {
+            Projections::Separate(parts) => parts.iter().collect(),
+            Projections::Stacked { weight, .. } => vec![weight],
         }
     }
 

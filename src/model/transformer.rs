@@ -10,6 +10,7 @@ use candle_core::{Device, Tensor, D};
 
 use crate::model::attention;
 use crate::model::config::{Architecture, LayerSpec};
+use crate::model::embedding::Embedding;
 use crate::model::ggml;
 use crate::model::gguf::{GgufFile, TensorSource};
 use crate::model::intervene::MaskSpan;
@@ -72,8 +73,8 @@ pub struct Model {
     ggml_simd: ggml::Simd,
     /// Per layer: RoPE, window.
     specs: Vec<LayerSpec>,
-    /// `(vocab, d_model)` f32.
-    embed: Tensor,
+    /// `(vocab, d_model)`.
+    embed: Embedding,
     /// Multiplies the looked-up embeddings (`sqrt(d_model)` for Gemma, else 1).
     embed_scale: f64,
     activation: Activation,
@@ -84,6 +85,17 @@ pub struct Model {
     /// One table per layer (shared `Arc`s when layers share a base).
     ropes: Vec<Rope>,
     chunk: usize,
+}
+
+/// Seconds of one decode step's parts, each timed alone ([`Model::time_decode_parts`]).
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct DecodeParts {
+    /// Every block's matrices (QKV, output, gate and up, down).
+    pub weights_s: f64,
+    /// The LM head.
+    pub lm_head_s: f64,
+    /// Attention of one query position over every layer's rows in view.
+    pub attention_s: f64,
 }
 
 fn norm_weight(src: &mut dyn TensorSource, name: &str, width: usize) -> Result<Tensor> {
@@ -134,23 +146,18 @@ impl Model {
         numerics: Numerics,
     ) -> Result<Self> {
         cfg.validate()?;
+        // A bad `HEADWISE_ISA` is an error here, before any kernel runs.
+        crate::model::kernels::Isa::from_env()?;
         let (d, dh) = (cfg.d_model, cfg.d_head);
-        let embed_q = src.tensor("token_embd.weight")?;
-        if embed_q.shape().dims() != [cfg.vocab_size, d] {
-            return Err(Error::Tensor {
-                name: "token_embd.weight".into(),
-                reason: format!(
-                    "shape {:?}, expected [{}, {d}]",
-                    embed_q.shape().dims(),
-                    cfg.vocab_size
-                ),
-            });
-        }
-        let embed = embed_q.dequantize(&Device::Cpu)?;
-        let lm_head = if src.has("output.weight") {
-            linear(src, "output.weight", cfg.vocab_size, d, numerics)?
-        } else {
-            Linear::with_dense(embed_q, &embed, numerics)?
+        let (embed, embed_q) =
+            Embedding::load(src, "token_embd.weight", (cfg.vocab_size, d), numerics)?;
+        let lm_head = match (src.has("output.weight"), embed_q) {
+            (true, _) => linear(src, "output.weight", cfg.vocab_size, d, numerics)?,
+            (false, Some(q)) => Linear::with_dense(q, &embed.table()?, numerics)?,
+            (false, None) => match embed.blocks() {
+                Some(blocks) => Linear::shared(blocks.clone()),
+                None => return Err(Error::Internal("a block embedding without its blocks")),
+            },
         };
         let gemma = cfg.architecture == Architecture::Gemma3;
         let mut blocks = Vec::with_capacity(cfg.n_layers);
@@ -289,14 +296,102 @@ impl Model {
         self.lm_head.dequantized()
     }
 
+    /// Every matrix one decode step multiplies with, in order: each block's (QKV, output,
+    /// gate and up, down), then the LM head.
+    pub fn matrices(&self) -> Vec<&Linear> {
+        let mut all = Vec::new();
+        for b in &self.blocks {
+            all.extend(b.qkv.layers());
+            all.push(&b.wo);
+            all.extend(b.gate_up.layers());
+            all.push(&b.down);
+        }
+        all.push(&self.lm_head);
+        all
+    }
+
+    /// Bytes of weight data one decode step streams: [`Model::matrices`]' weights.
+    pub fn decode_weight_bytes(&self) -> usize {
+        self.matrices().iter().map(|m| m.weight_bytes()).sum()
+    }
+
+    /// Seconds one decode step at `context` positions spends in each part, each part
+    /// timed alone on the model's real weights (median of `reps` rounds): every block's
+    /// matrices, the LM head, and attention over key and value rows of that many
+    /// positions (a sliding-window layer's window at most; random values, freshly
+    /// allocated so they stream from memory as a cache's would).
+    pub fn time_decode_parts(&self, context: usize, reps: usize) -> Result<DecodeParts> {
+        let cfg = &self.cfg;
+        let (d, dh, nh, nkv) = (cfg.d_model, cfg.d_head, cfg.n_heads, cfg.n_kv_heads);
+        let ramp = |n: usize| -> Result<Tensor> {
+            let v: Vec<f32> = (0..n)
+                .map(|i| ((i * 7919) % 61) as f32 / 30.0 - 1.0)
+                .collect();
+            Ok(Tensor::from_vec(v, (1, n), &Device::Cpu)?)
+        };
+        let (x, x_attn, x_ff) = (ramp(d)?, ramp(nh * dh)?, ramp(cfg.d_ff)?);
+        let kv: Vec<Vec<f32>> = (0..cfg.n_layers)
+            .map(|l| {
+                let seen = self.specs[l]
+                    .window
+                    .map_or(context, |w| w.min(context))
+                    .max(1);
+                (0..2 * nkv * seen * dh)
+                    .map(|i| ((i % 97) as f32 - 48.0) / 97.0)
+                    .collect()
+            })
+            .collect();
+        let q: Vec<f32> = (0..nh * dh)
+            .map(|i| ((i % 13) as f32 - 6.0) / 13.0)
+            .collect();
+        let masks = vec![None; nh];
+        let median = |mut t: Vec<f64>| {
+            t.sort_by(f64::total_cmp);
+            t[t.len() / 2]
+        };
+        let (mut weights, mut lm_head, mut attention_s) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..reps.max(1) {
+            let start = std::time::Instant::now();
+            for b in &self.blocks {
+                b.qkv.forward(&x)?;
+                b.wo.forward(&x_attn)?;
+                b.gate_up.forward(&x)?;
+                b.down.forward(&x_ff)?;
+            }
+            weights.push(start.elapsed().as_secs_f64());
+            let start = std::time::Instant::now();
+            self.lm_head.forward(&x)?;
+            lm_head.push(start.elapsed().as_secs_f64());
+            let start = std::time::Instant::now();
+            for rows in &kv {
+                let len = rows.len() / (2 * nkv * dh);
+                let (keys, values) = rows.split_at(rows.len() / 2);
+                let heads: Vec<attention::KvRows> = (0..nkv)
+                    .map(|h| attention::KvRows {
+                        keys: &keys[h * len * dh..][..len * dh],
+                        values: &values[h * len * dh..][..len * dh],
+                        len,
+                    })
+                    .collect();
+                attention::decode_rows(&q, dh, &heads, &masks, false);
+            }
+            attention_s.push(start.elapsed().as_secs_f64());
+        }
+        Ok(DecodeParts {
+            weights_s: median(weights),
+            lm_head_s: median(lm_head),
+            attention_s: median(attention_s),
+        })
+    }
+
     /// The final RMSNorm's weight, `(d_model,)`.
     pub fn final_norm_weight(&self) -> &Tensor {
         &self.final_norm
     }
 
-    /// The unembedding (tied: token embedding) rows, `(vocab, d_model)`.
-    pub fn embeddings(&self) -> &Tensor {
-        &self.embed
+    /// The token embedding rows, `(vocab, d_model)`, dequantized.
+    pub fn embeddings(&self) -> Result<Tensor> {
+        self.embed.table()
     }
 
     fn check_head(&self, layer: usize, head: usize) -> Result<()> {
@@ -414,8 +509,7 @@ impl Model {
         let start = cache.len();
         let q = tokens.len();
         observer.begin(start, q);
-        let ids = Tensor::from_slice(tokens, q, &Device::Cpu)?;
-        let mut x = self.embed.index_select(&ids, 0)?;
+        let mut x = self.embed.lookup(tokens)?;
         if self.embed_scale != 1.0 {
             x = (x * self.embed_scale)?;
         }

@@ -1,0 +1,144 @@
+//! Block layouts of the weights (GGUF's own bytes) and of the activation rows they are
+//! multiplied with.
+//!
+//! * Q4_1, 20 bytes per 32 weights: f16 `d`, f16 `m`, 16 bytes whose low nibbles hold
+//!   elements `0..16` and high nibbles `16..32`; `w = d * q + m`, `q` in `0..16`.
+//! * Q8_0, 34 bytes per 32 weights: f16 `d`, 32 signed bytes; `w = d * q`.
+//!
+//! An activation row is quantized per block of 32 to signed bytes in `[-127, 127]` with an
+//! f32 scale (`x ≈ d_x * q_x`, `d_x = max|x| / 127`), so a block's contribution to a dot
+//! product is `d_w * d_x * dot(q_w, q_x)` (Q4_1 adds `m * d_x * sum(q_x)`).
+
+use half::f16;
+
+/// Elements per block, weights and activations alike.
+pub const QK: usize = 32;
+
+/// A weight block layout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub enum Format {
+    /// GGUF Q4_1.
+    Q4_1,
+    /// GGUF Q8_0.
+    Q8_0,
+}
+
+impl Format {
+    /// Bytes of one block.
+    pub const fn block_bytes(self) -> usize {
+        match self {
+            Format::Q4_1 => 20,
+            Format::Q8_0 => 34,
+        }
+    }
+
+    /// Dequantize whole blocks `blocks` into `out` (`QK` floats per block), with the
+    /// arithmetic of ggml's `dequantize_row_*` (`q * d + m`, `q * d`): the values candle's
+    /// `QTensor::dequantize` gives.
+    pub fn dequantize(self, blocks: &[u8], out: &mut [f32]) {
+        for (blk, o) in blocks
+            .chunks_exact(self.block_bytes())
+            .zip(out.chunks_exact_mut(QK))
+        {
+            let d = f16::from_le_bytes([blk[0], blk[1]]).to_f32();
+            match self {
+                Format::Q4_1 => {
+                    let m = f16::from_le_bytes([blk[2], blk[3]]).to_f32();
+                    for (j, &q) in blk[4..].iter().enumerate() {
+                        o[j] = (q & 0x0F) as f32 * d + m;
+                        o[j + QK / 2] = (q >> 4) as f32 * d + m;
+                    }
+                }
+                Format::Q8_0 => {
+                    for (o, &q) in o.iter_mut().zip(&blk[2..]) {
+                        *o = q as i8 as f32 * d;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// `x` (length a multiple of [`QK`]) as Q8_0 blocks, as ggml's `quantize_row_q8_0`
+/// rounds: `d = max|x| / 127` stored as f16, `q = round(x / d)` with the f32 `d`.
+pub fn quantize_q8_0(x: &[f32]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(x.len() / QK * Format::Q8_0.block_bytes());
+    for xb in x.chunks_exact(QK) {
+        let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        let inv = if d != 0.0 { 1.0 / d } else { 0.0 };
+        out.extend(f16::from_f32(d).to_le_bytes());
+        out.extend(xb.iter().map(|v| (v * inv).round() as i8 as u8));
+    }
+    out
+}
+
+/// One activation row in 8-bit blocks.
+#[derive(Debug, Clone)]
+pub struct Activations {
+    /// The quantized values, one per input element.
+    pub(super) q: Vec<i8>,
+    /// Per block: `d_x` and `d_x * sum(q_x)` (the factor of Q4_1's `m`).
+    pub(super) scales: Vec<[f32; 2]>,
+}
+
+impl Activations {
+    /// Quantize `x`, whose length is a multiple of [`QK`].
+    pub fn quantize(x: &[f32]) -> Self {
+        let mut q = vec![0i8; x.len()];
+        let mut scales = Vec::with_capacity(x.len() / QK);
+        for (xb, qb) in x.chunks_exact(QK).zip(q.chunks_exact_mut(QK)) {
+            let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let d = amax / 127.0;
+            let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
+            let mut sum = 0i32;
+            for (o, v) in qb.iter_mut().zip(xb) {
+                *o = (v * inv).round() as i8;
+                sum += *o as i32;
+            }
+            scales.push([d, d * sum as f32]);
+        }
+        Self { q, scales }
+    }
+
+    /// Number of blocks.
+    pub fn blocks(&self) -> usize {
+        self.scales.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn q8_0_round_trip_is_within_half_a_step() {
+        let x: Vec<f32> = (0..64)
+            .map(|i| ((i * 37 % 29) as f32 - 14.0) * 0.37)
+            .collect();
+        let blocks = quantize_q8_0(&x);
+        assert_eq!(blocks.len(), 2 * Format::Q8_0.block_bytes());
+        let mut y = vec![0f32; 64];
+        Format::Q8_0.dequantize(&blocks, &mut y);
+        for (b, (xb, yb)) in x.chunks(QK).zip(y.chunks(QK)).enumerate() {
+            let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+            for (a, c) in xb.iter().zip(yb) {
+                assert!(
+                    (a - c).abs() <= amax / 127.0 * 0.51 + 1e-3,
+                    "block {b}: {a} vs {c}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn activations_record_their_scales_and_sums() {
+        let x: Vec<f32> = (0..32).map(|i| i as f32 - 8.0).collect();
+        let a = Activations::quantize(&x);
+        assert_eq!(a.blocks(), 1);
+        assert_eq!(a.q[31], 127);
+        let sum: i32 = a.q.iter().map(|&v| v as i32).sum();
+        assert_eq!(a.scales[0], [23.0 / 127.0, 23.0 / 127.0 * sum as f32]);
+        assert!(Activations::quantize(&[0.0; 32]).q.iter().all(|&v| v == 0));
+    }
+}

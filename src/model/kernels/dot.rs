@@ -1,0 +1,207 @@
+//! Block dot products of one weight row against `R` activation rows (1-4): the inner
+//! loop of every [`BlockMatrix`](super::BlockMatrix) product, one implementation per
+//! instruction set.
+//!
+//! All of them compute the same floats. Per block, the integer products are summed in
+//! eight lanes of four adjacent elements (what `vpdpbusd` does, and `vpmaddubsw` followed
+//! by `vpmaddwd` with ones), each lane is converted to f32 (exactly: `|sum| < 2^24`) and
+//! fused-multiply-added with the block's scale `d_w * d_x` into one of two accumulators
+//! (even and odd blocks, so consecutive blocks do not wait on each other); the two are
+//! added and the lanes summed as `((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))`. The
+//! portable loop follows that order with `f32::mul_add`, so a result does not depend on
+//! the CPU, and a row's result does not depend on the other rows computed with it.
+//!
+//! The x86 kernels multiply unsigned by signed bytes: Q4_1's nibbles are unsigned as they
+//! are; for Q8_0 each block is fed `|q_w|` and the activation with `q_w`'s sign moved onto
+//! it (same products). Every value stays in `[-127, 127]`, so `vpmaddubsw`'s 16-bit pair
+//! sums (at most `2 * 127 * 127`) cannot saturate.
+
+use half::f16;
+
+use super::blocks::{Activations, Format, QK};
+use super::isa::Isa;
+
+/// An [`Isa`] that this CPU was checked to run (else [`Isa::Portable`]).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Supported(Isa);
+
+impl Supported {
+    /// `isa` if the CPU runs it, else the portable loop.
+    pub(super) fn new(isa: Isa) -> Self {
+        Supported(if isa.supported() { isa } else { Isa::Portable })
+    }
+}
+
+/// `out[r] = sum over blocks of row `w` (`format`) times `x[r]`.
+///
+/// Panics if `w` is not `x[r].blocks()` blocks of `format` for every `r` (callers check
+/// shapes once per matrix).
+pub(super) fn weight_row<const R: usize>(
+    isa: Supported,
+    format: Format,
+    x: [&Activations; R],
+    w: &[u8],
+) -> [f32; R] {
+    for xr in &x {
+        assert!(
+            w.len() == xr.blocks() * format.block_bytes() && xr.q.len() == xr.blocks() * QK,
+            "block row and activation row differ in length"
+        );
+    }
+    match (isa.0, format) {
+        (Isa::Portable, _) => std::array::from_fn(|r| portable(format, x[r], w)),
+        // SAFETY (all four): `Supported` checked that the CPU has the features the
+        // function enables, and the lengths were checked above.
+        #[cfg(target_arch = "x86_64")]
+        (Isa::Avx2, Format::Q4_1) => unsafe { x86::q4_1_avx2(x, w) },
+        #[cfg(target_arch = "x86_64")]
+        (Isa::Avx2, Format::Q8_0) => unsafe { x86::q8_0_avx2(x, w) },
+        #[cfg(target_arch = "x86_64")]
+        (Isa::Avx512Vnni, Format::Q4_1) => unsafe { x86::q4_1_vnni(x, w) },
+        #[cfg(target_arch = "x86_64")]
+        (Isa::Avx512Vnni, Format::Q8_0) => unsafe { x86::q8_0_vnni(x, w) },
+        #[cfg(not(target_arch = "x86_64"))]
+        _ => std::array::from_fn(|r| portable(format, x[r], w)),
+    }
+}
+
+/// Element `e` of a Q4_1 block's nibbles `qs` (16 bytes).
+fn nibble(qs: &[u8], e: usize) -> i32 {
+    if e < QK / 2 {
+        (qs[e] & 0x0F) as i32
+    } else {
+        (qs[e - QK / 2] >> 4) as i32
+    }
+}
+
+/// The portable loop, in the lane order of the x86 kernels.
+fn portable(format: Format, x: &Activations, w: &[u8]) -> f32 {
+    let mut acc = [[0f32; 8]; 2];
+    let mut offset = 0f32;
+    for (b, blk) in w.chunks_exact(format.block_bytes()).enumerate() {
+        let xq = &x.q[b * QK..(b + 1) * QK];
+        let [dx, dx_sum] = x.scales[b];
+        let d = f16::from_le_bytes([blk[0], blk[1]]).to_f32();
+        let weight = |e: usize| match format {
+            Format::Q4_1 => nibble(&blk[4..], e),
+            Format::Q8_0 => blk[2 + e] as i8 as i32,
+        };
+        if format == Format::Q4_1 {
+            offset += f16::from_le_bytes([blk[2], blk[3]]).to_f32() * dx_sum;
+        }
+        let scale = d * dx;
+        for (lane, a) in acc[b % 2].iter_mut().enumerate() {
+            let dot: i32 = (4 * lane..4 * lane + 4)
+                .map(|e| weight(e) * xq[e] as i32)
+                .sum();
+            *a = (dot as f32).mul_add(scale, *a);
+        }
+    }
+    let v: [f32; 8] = std::array::from_fn(|i| acc[0][i] + acc[1][i]);
+    let s4: [f32; 4] = std::array::from_fn(|i| v[i + 4] + v[i]);
+    ((s4[0] + s4[2]) + (s4[1] + s4[3])) + offset
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use super::super::blocks::{Activations, QK};
+
+    /// Eight i32 lanes, each the sum of four adjacent products of unsigned `u` and signed
+    /// `s` bytes (pair sums in i16 first: no saturation for values within 127).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn dot_avx2(u: __m256i, s: __m256i) -> __m256i {
+        _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))
+    }
+
+    /// The same lanes with one `vpdpbusd`.
+    #[inline]
+    #[target_feature(enable = "avx512vnni,avx512vl")]
+    fn dot_vnni(u: __m256i, s: __m256i) -> __m256i {
+        _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s)
+    }
+
+    /// `((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))`.
+    #[inline]
+    #[target_feature(enable = "avx")]
+    fn hsum(v: __m256) -> f32 {
+        let s4 = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
+        let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+        _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)))
+    }
+
+    /// The Q4_1 and Q8_0 kernels of one instruction set, given its integer dot product.
+    macro_rules! kernels {
+        ($q4_1:ident, $q8_0:ident, $features:literal, $dot:ident) => {
+            /// Q4_1 row `w` against `R` activation rows.
+            #[target_feature(enable = $features)]
+            pub(super) unsafe fn $q4_1<const R: usize>(x: [&Activations; R], w: &[u8]) -> [f32; R] {
+                let low = _mm_set1_epi8(0x0F);
+                let mut acc = [[_mm256_setzero_ps(); 2]; R];
+                // Lane 1 accumulates `m * d_x * sum(q_x)`; lane 0 is scratch.
+                let mut offsets = [_mm_setzero_ps(); R];
+                let nb = x[0].blocks();
+                for b in 0..nb {
+                    let blk = w.as_ptr().add(b * 20);
+                    // (d, m) as f32 lanes 0 and 1.
+                    let dm = _mm_cvtph_ps(_mm_cvtsi32_si128((blk as *const i32).read_unaligned()));
+                    let packed = _mm_loadu_si128(blk.add(4) as *const __m128i);
+                    let lo = _mm_and_si128(packed, low);
+                    let hi = _mm_and_si128(_mm_srli_epi16(packed, 4), low);
+                    let wv = _mm256_set_m128i(hi, lo);
+                    for r in 0..R {
+                        let xs =
+                            _mm_castpd_ps(_mm_load_sd(x[r].scales.as_ptr().add(b) as *const f64));
+                        let scales = _mm_mul_ps(dm, xs);
+                        offsets[r] = _mm_add_ps(offsets[r], scales);
+                        let xv = _mm256_loadu_si256(x[r].q.as_ptr().add(b * QK) as *const __m256i);
+                        let dot = _mm256_cvtepi32_ps($dot(wv, xv));
+                        acc[r][b % 2] =
+                            _mm256_fmadd_ps(dot, _mm256_broadcastss_ps(scales), acc[r][b % 2]);
+                    }
+                }
+                let mut out = [0f32; R];
+                for r in 0..R {
+                    out[r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1]))
+                        + _mm_cvtss_f32(_mm_shuffle_ps(offsets[r], offsets[r], 1));
+                }
+                out
+            }
+
+            /// Q8_0 row `w` against `R` activation rows.
+            #[target_feature(enable = $features)]
+            pub(super) unsafe fn $q8_0<const R: usize>(x: [&Activations; R], w: &[u8]) -> [f32; R] {
+                let mut acc = [[_mm256_setzero_ps(); 2]; R];
+                let nb = x[0].blocks();
+                for b in 0..nb {
+                    let blk = w.as_ptr().add(b * 34);
+                    let bits = (blk as *const u16).read_unaligned() as i32;
+                    let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits)));
+                    let wv = _mm256_loadu_si256(blk.add(2) as *const __m256i);
+                    let wabs = _mm256_abs_epi8(wv);
+                    for r in 0..R {
+                        let xv = _mm256_loadu_si256(x[r].q.as_ptr().add(b * QK) as *const __m256i);
+                        let dot = _mm256_cvtepi32_ps($dot(wabs, _mm256_sign_epi8(xv, wv)));
+                        let scale = _mm256_set1_ps(d * x[r].scales[b][0]);
+                        acc[r][b % 2] = _mm256_fmadd_ps(dot, scale, acc[r][b % 2]);
+                    }
+                }
+                let mut out = [0f32; R];
+                for r in 0..R {
+                    out[r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
+                }
+                out
+            }
+        };
+    }
+
+    kernels!(q4_1_avx2, q8_0_avx2, "avx2,fma,f16c", dot_avx2);
+    kernels!(
+        q4_1_vnni,
+        q8_0_vnni,
+        "avx512vnni,avx512vl,avx512f,avx2,fma,f16c",
+        dot_vnni
+    );
+}

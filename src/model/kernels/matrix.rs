@@ -1,0 +1,456 @@
+//! [`BlockMatrix`]: a row-major `(rows, cols)` weight in Q4_1 or Q8_0 blocks and its
+//! product with rows of activations, `y_i = W x_i`.
+//!
+//! Fewer than [`TILED_MIN_ROWS`] activation rows (decode, small batches) go through the
+//! integer kernels of [`super::dot`]: each row quantized to 8 bits once, and each weight
+//! row streamed once for up to four activation rows at a time, every row's result the
+//! same as if it were computed alone. More rows (prefill) go through dequantized tiles:
+//! a few weight rows at a time are expanded to f32 in a per-thread buffer of about
+//! [`TILE_BYTES`] and multiplied with all activation rows by `gemm`, so the f32 weight
+//! never exists whole and each expanded tile is used while it is in cache. A batch of
+//! decode rows from different sequences goes through [`BlockMatrix::quantized_product`]
+//! at any size, so that no sequence's result depends on the batch it ran in.
+
+use std::cell::RefCell;
+
+use rayon::prelude::*;
+
+use super::blocks::{quantize_q8_0, Activations, Format, QK};
+use super::dot::{weight_row, Supported};
+use super::isa::Isa;
+
+/// Activation rows from which a product goes through dequantized tiles and `gemm`.
+pub const TILED_MIN_ROWS: usize = 8;
+
+/// Weight rows per parallel task of the integer path: large enough to amortise
+/// scheduling, small enough to balance two cores on the narrowest projections.
+const ROWS_PER_TASK: usize = 64;
+
+/// Target size of one dequantized tile (f32), about a core's share of L2.
+const TILE_BYTES: usize = 256 * 1024;
+
+/// A row-major `(rows, cols)` matrix of [`Format`] blocks; `cols` is a multiple of [`QK`].
+#[derive(Debug, Clone)]
+pub struct BlockMatrix {
+    format: Format,
+    rows: usize,
+    cols: usize,
+    /// `rows * cols / QK` blocks, row after row.
+    blocks: Vec<u8>,
+}
+
+impl BlockMatrix {
+    /// Take GGUF block data of `format` for a `(rows, cols)` matrix; `None` if the sizes do
+    /// not fit.
+    pub fn from_blocks(format: Format, blocks: Vec<u8>, rows: usize, cols: usize) -> Option<Self> {
+        let fits = cols.is_multiple_of(QK)
+            && rows
+                .checked_mul(cols / QK)
+                .and_then(|n| n.checked_mul(format.block_bytes()))
+                == Some(blocks.len());
+        fits.then_some(Self {
+            format,
+            rows,
+            cols,
+            blocks,
+        })
+    }
+
+    /// Quantize a row-major f32 `(rows, cols)` matrix to Q8_0; `None` if `cols` is not a
+    /// multiple of [`QK`] or `data` is not `rows * cols` long.
+    pub fn quantize_q8_0(data: &[f32], rows: usize, cols: usize) -> Option<Self> {
+        if !cols.is_multiple_of(QK) || data.len() != rows * cols {
+            return None;
+        }
+        Self::from_blocks(Format::Q8_0, quantize_q8_0(data), rows, cols)
+    }
+
+    /// Stack matrices of the same format and width row-wise; `None` if they differ.
+    pub fn stack(parts: Vec<BlockMatrix>) -> Option<Self> {
+        let first = parts.first()?;
+        let (format, cols) = (first.format, first.cols);
+        if parts.iter().any(|p| p.format != format || p.cols != cols) {
+            return None;
+        }
+        let rows = parts.iter().map(|p| p.rows).sum();
+        let blocks = parts.into_iter().flat_map(|p| p.blocks).collect();
+        Self::from_blocks(format, blocks, rows, cols)
+    }
+
+    /// The block layout.
+    pub fn format(&self) -> Format {
+        self.format
+    }
+
+    /// Output width.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Input width.
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// Bytes of weight data (what one matrix-vector product streams).
+    pub fn bytes(&self) -> usize {
+        self.blocks.len()
+    }
+
+    fn row_bytes(&self) -> usize {
+        self.cols / QK * self.format.block_bytes()
+    }
+
+    /// Row `r` dequantized into `out` (`cols` floats); `None` if `r` is out of range.
+    pub fn dequantize_row(&self, r: usize, out: &mut [f32]) -> Option<()> {
+        let rb = self.row_bytes();
+        let blocks = self.blocks.get(r * rb..(r + 1) * rb)?;
+        self.format.dequantize(blocks, out.get_mut(..self.cols)?);
+        Some(())
+    }
+
+    /// The whole matrix as row-major f32 `(rows, cols)`.
+    pub fn dequantize(&self) -> Vec<f32> {
+        let mut out = vec![0f32; self.rows * self.cols];
+        self.format.dequantize(&self.blocks, &mut out);
+        out
+    }
+
+    /// `x` `(n, cols)` row-major -> `(n, rows)`: the integer kernels below
+    /// [`TILED_MIN_ROWS`] rows, dequantized tiles from there.
+    pub fn matmul(&self, x: &[f32], n: usize) -> Vec<f32> {
+        if n < TILED_MIN_ROWS {
+            self.quantized_product(x, n, Isa::active())
+        } else {
+            self.tiled_product(x, n)
+        }
+    }
+
+    /// `x` `(n, cols)` -> `(n, rows)` with 8-bit activations on `isa` (the portable loop
+    /// if the CPU lacks it). Each row's result is the same for any `n` and any `isa`.
+    ///
+    /// Panics if `x` is not `n * cols` long.
+    pub fn quantized_product(&self, x: &[f32], n: usize, isa: Isa) -> Vec<f32> {
+        assert_eq!(x.len(), n * self.cols, "activations do not fit the matrix");
+        let isa = Supported::new(isa);
+        let acts: Vec<Activations> = x
+            .chunks_exact(self.cols)
+            .map(Activations::quantize)
+            .collect();
+        let refs: Vec<&Activations> = acts.iter().collect();
+        let rb = self.row_bytes();
+        // (rows, n): each weight row's n results side by side.
+        let mut t = vec![0f32; self.rows * n];
+        if n == 0 {
+            return t;
+        }
+        t.par_chunks_mut(ROWS_PER_TASK * n)
+            .enumerate()
+            .for_each(|(c, out)| {
+                for (i, o) in out.chunks_exact_mut(n).enumerate() {
+                    let r = c * ROWS_PER_TASK + i;
+                    let w = &self.blocks[r * rb..(r + 1) * rb];
+                    for (xs, os) in refs.chunks(4).zip(o.chunks_mut(4)) {
+                        group(isa, self.format, xs, w, os);
+                    }
+                }
+            });
+        if n == 1 {
+            return t;
+        }
+        let mut y = vec![0f32; n * self.rows];
+        for (r, row) in t.chunks_exact(n).enumerate() {
+            for (i, v) in row.iter().enumerate() {
+                y[i * self.rows + r] = *v;
+            }
+        }
+        y
+    }
+
+    /// Weight rows per dequantized tile: at most [`TILE_BYTES`] of f32, and a count of
+    /// tiles that is a multiple of the thread count (at least two each), so that both
+    /// cores finish together; a multiple of 8 rows.
+    fn tile_rows(&self) -> usize {
+        let threads = rayon::current_num_threads().max(1);
+        let cap = (TILE_BYTES / 4 / self.cols).max(8);
+        let tiles = self
+            .rows
+            .div_ceil(cap)
+            .max(2 * threads)
+            .next_multiple_of(threads);
+        self.rows
+            .div_ceil(tiles)
+            .next_multiple_of(8)
+            .clamp(8, cap.next_multiple_of(8))
+    }
+
+    /// `x` `(n, cols)` -> `(n, rows)` through f32 tiles of the weight and `gemm`.
+    ///
+    /// Panics if `x` is not `n * cols` long.
+    pub fn tiled_product(&self, x: &[f32], n: usize) -> Vec<f32> {
+        assert_eq!(x.len(), n * self.cols, "activations do not fit the matrix");
+        thread_local! {
+            static TILE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+        }
+        let (cols, rb, tr) = (self.cols, self.row_bytes(), self.tile_rows());
+        let tiles: Vec<(usize, Vec<f32>)> = (0..self.rows.div_ceil(tr))
+            .into_par_iter()
+            .map(|t| {
+                let (r0, r1) = (t * tr, ((t + 1) * tr).min(self.rows));
+                let m = r1 - r0;
+                let mut dst = vec![0f32; n * m];
+                TILE.with_borrow_mut(|buf| {
+                    buf.resize(m * cols, 0.0);
+                    self.format
+                        .dequantize(&self.blocks[r0 * rb..r1 * rb], &mut buf[..m * cols]);
+                    // SAFETY: `dst` is `(n, m)` with row stride `m`, `x` is `(n, cols)` with
+                    // row stride `cols` (checked above), and the tile `(m, cols)` row-major
+                    // is read as the `(cols, m)` right operand: element (k, j) at
+                    // `j * cols + k`. Every index stays inside its buffer.
+                    unsafe {
+                        gemm::gemm(
+                            n,
+                            m,
+                            cols,
+                            dst.as_mut_ptr(),
+                            1,
+                            m as isize,
+                            false,
+                            x.as_ptr(),
+                            1,
+                            cols as isize,
+                            buf.as_ptr(),
+                            cols as isize,
+                            1,
+                            0.0,
+                            1.0,
+                            false,
+                            false,
+                            false,
+                            gemm::Parallelism::None,
+                        );
+                    }
+                });
+                (r0, dst)
+            })
+            .collect();
+        let mut y = vec![0f32; n * self.rows];
+        for (r0, dst) in tiles {
+            let m = dst.len() / n.max(1);
+            for (i, row) in dst.chunks_exact(m.max(1)).enumerate() {
+                y[i * self.rows + r0..][..row.len()].copy_from_slice(row);
+            }
+        }
+        y
+    }
+}
+
+/// One weight row against up to four activation rows, into `out`.
+fn group(isa: Supported, format: Format, xs: &[&Activations], w: &[u8], out: &mut [f32]) {
+    match *xs {
+        [a] => out.copy_from_slice(&weight_row(isa, format, [a], w)),
+        [a, b] => out.copy_from_slice(&weight_row(isa, format, [a, b], w)),
+        [a, b, c] => out.copy_from_slice(&weight_row(isa, format, [a, b, c], w)),
+        [a, b, c, d] => out.copy_from_slice(&weight_row(isa, format, [a, b, c, d], w)),
+        _ => {
+            for (x, o) in xs.iter().zip(out) {
+                *o = weight_row(isa, format, [*x], w)[0];
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::quantized::{GgmlDType, QTensor};
+    use candle_core::{Device, Tensor};
+
+    use super::*;
+
+    /// A deterministic stream of `u32`s.
+    fn lcg(seed: u32) -> impl FnMut() -> u32 {
+        let mut s = seed;
+        move || {
+            s = s.wrapping_mul(1664525).wrapping_add(1013904223);
+            s >> 8
+        }
+    }
+
+    fn floats(n: usize, seed: u32, amp: f32) -> Vec<f32> {
+        let mut next = lcg(seed);
+        (0..n)
+            .map(|_| (next() as f32 / (1u32 << 24) as f32 * 2.0 - 1.0) * amp)
+            .collect()
+    }
+
+    /// Random blocks of `format`, every byte pattern allowed (Q8_0 codes include -128,
+    /// Q4_1 codes all of 0..16), scales of both signs.
+    fn random_blocks(format: Format, rows: usize, cols: usize, seed: u32) -> BlockMatrix {
+        let mut next = lcg(seed);
+        let mut blocks = Vec::new();
+        let scales = if format == Format::Q4_1 { 2 } else { 1 };
+        for _ in 0..rows * cols / QK {
+            let scale = |v: u32| half::f16::from_f32((v % 2001) as f32 / 1000.0 - 1.0);
+            blocks.extend(scale(next()).to_le_bytes());
+            if format == Format::Q4_1 {
+                blocks.extend(scale(next()).to_le_bytes());
+            }
+            blocks.extend((0..format.block_bytes() - 2 * scales).map(|_| next() as u8));
+        }
+        BlockMatrix::from_blocks(format, blocks, rows, cols).unwrap()
+    }
+
+    /// `W x` in f64 over the independently dequantized weight, and `sum |w| |x|` of each
+    /// output (the scale of f32 rounding error).
+    fn exact(w: &[f32], x: &[f32], rows: usize, cols: usize) -> (Vec<f64>, Vec<f64>) {
+        let mut y = Vec::new();
+        let mut scale = Vec::new();
+        for xi in x.chunks_exact(cols) {
+            for r in 0..rows {
+                let terms = (0..cols).map(|c| w[r * cols + c] as f64 * xi[c] as f64);
+                y.push(terms.clone().sum());
+                scale.push(terms.map(f64::abs).sum());
+            }
+        }
+        (y, scale)
+    }
+
+    #[test]
+    fn every_instruction_set_computes_the_portable_floats() {
+        for format in [Format::Q4_1, Format::Q8_0] {
+            // 3 and 18 blocks per row: odd and even counts for the two accumulators.
+            for (rows, cols) in [(70, 96), (9, 576)] {
+                let m = random_blocks(format, rows, cols, 11 + cols as u32);
+                let mut x = floats(5 * cols, 5, 40.0);
+                x[3] = 1e4; // one block whose other codes round to zero
+                let reference = m.quantized_product(&x, 5, Isa::Portable);
+                for isa in Isa::available() {
+                    let got = m.quantized_product(&x, 5, isa);
+                    assert!(
+                        got.iter()
+                            .zip(&reference)
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{format:?} {rows}x{cols}: {isa} differs from the portable loop"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_row_gives_the_same_bits_in_any_batch() {
+        // up to 33 rows: batches of 4 and a remainder, beyond the tiled threshold
+        let (rows, cols, n) = (33, 64, 33);
+        for format in [Format::Q4_1, Format::Q8_0] {
+            let m = random_blocks(format, rows, cols, 3);
+            let x = floats(n * cols, 9, 3.0);
+            for isa in Isa::available() {
+                let all = m.quantized_product(&x, n, isa);
+                for k in [1, 2, 3, 5, 8, 32] {
+                    let some = m.quantized_product(&x[..k * cols], k, isa);
+                    assert_eq!(some, all[..k * rows], "{format:?} {isa}: {k} rows");
+                }
+                for i in 0..n {
+                    let one = m.quantized_product(&x[i * cols..(i + 1) * cols], 1, isa);
+                    assert_eq!(
+                        one,
+                        all[i * rows..(i + 1) * rows],
+                        "{format:?} {isa}: row {i}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn quantized_products_are_close_to_the_exact_product() {
+        for format in [Format::Q4_1, Format::Q8_0] {
+            let (rows, cols) = (40, 128);
+            let m = random_blocks(format, rows, cols, 21);
+            let w = m.dequantize();
+            let x = floats(3 * cols, 22, 1.0);
+            let (want, _) = exact(&w, &x, rows, cols);
+            let got = m.quantized_product(&x, 3, Isa::active());
+            // Only the activations are rounded: at most half a step (max|x| / 254) per
+            // element, times |w| (below 16 here for Q4_1, 128 for Q8_0).
+            let bound = cols as f64 / 254.0 * if format == Format::Q4_1 { 16.0 } else { 128.0 };
+            for (i, (g, e)) in got.iter().zip(&want).enumerate() {
+                assert!(
+                    (*g as f64 - e).abs() < bound * 0.2,
+                    "{format:?} {i}: {g} vs {e}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn tiled_products_match_the_exact_product() {
+        for format in [Format::Q4_1, Format::Q8_0] {
+            // 100 rows: tiles that do not divide them; 8 and 37 activation rows.
+            let (rows, cols) = (100, 192);
+            let m = random_blocks(format, rows, cols, 31);
+            let w = m.dequantize();
+            for n in [TILED_MIN_ROWS, 37] {
+                let x = floats(n * cols, 32 + n as u32, 2.0);
+                let got = m.tiled_product(&x, n);
+                let (want, scale) = exact(&w, &x, rows, cols);
+                // f32 sums of `cols` products: within `cols * 2^-24` of `sum |w| |x|`
+                // (the classic bound), doubled.
+                let bound = 2.0 * cols as f64 * f32::EPSILON as f64 / 2.0;
+                for (i, ((g, e), s)) in got.iter().zip(&want).zip(&scale).enumerate() {
+                    assert!(
+                        (*g as f64 - e).abs() <= bound * s,
+                        "{format:?} n={n} {i}: {g} vs {e}"
+                    );
+                }
+                assert_eq!(m.matmul(&x, n), got);
+            }
+        }
+    }
+
+    #[test]
+    fn blocks_dequantize_and_quantize_as_candle_does() {
+        let (rows, cols) = (6, 96);
+        let data = floats(rows * cols, 41, 3.0);
+        let t = Tensor::from_vec(data.clone(), (rows, cols), &Device::Cpu).unwrap();
+        for (dtype, format) in [
+            (GgmlDType::Q4_1, Format::Q4_1),
+            (GgmlDType::Q8_0, Format::Q8_0),
+        ] {
+            let q = QTensor::quantize(&t, dtype).unwrap();
+            let raw = q.data().unwrap().into_owned();
+            if format == Format::Q8_0 {
+                assert_eq!(quantize_q8_0(&data), raw, "Q8_0 codes differ from candle's");
+            }
+            let m = BlockMatrix::from_blocks(format, raw, rows, cols).unwrap();
+            let candle: Vec<f32> = q
+                .dequantize(&Device::Cpu)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            let ours = m.dequantize();
+            assert!(ours
+                .iter()
+                .zip(&candle)
+                .all(|(a, b)| a.to_bits() == b.to_bits()));
+            let mut row = vec![0f32; cols];
+            m.dequantize_row(4, &mut row).unwrap();
+            assert_eq!(row, candle[4 * cols..5 * cols]);
+            assert!(m.dequantize_row(rows, &mut row).is_none());
+        }
+    }
+
+    #[test]
+    fn shapes_that_do_not_fit_are_refused() {
+        assert!(BlockMatrix::quantize_q8_0(&[0.0; 48], 1, 48).is_none());
+        assert!(BlockMatrix::from_blocks(Format::Q4_1, vec![0; 19], 1, 32).is_none());
+        assert!(BlockMatrix::from_blocks(Format::Q8_0, vec![0; 34], usize::MAX, 32).is_none());
+        let a = random_blocks(Format::Q4_1, 2, 32, 1);
+        let b = random_blocks(Format::Q8_0, 2, 32, 1);
+        assert!(BlockMatrix::stack(vec![a.clone(), b]).is_none());
+        let s = BlockMatrix::stack(vec![a.clone(), a]).unwrap();
+        assert_eq!((s.rows(), s.cols(), s.bytes()), (4, 32, 80));
+    }
+}

@@ -1,0 +1,21 @@
+//! The quantized matrix kernels of [`Numerics::Fast`](crate::model::Numerics::Fast):
+//! weights stay in GGUF's own 32-element blocks ([`Format::Q4_1`] as the file stores them,
+//! [`Format::Q8_0`] for the file's Q8_0 tensors and for every other type requantized), and
+//! no f32 copy of a weight is kept.
+//!
+//! * [`isa`]: which instruction set runs, chosen at run time (`HEADWISE_ISA` caps it);
+//! * [`blocks`]: the block layouts, activation rows quantized to 8 bits, dequantization;
+//! * [`dot`]: the block dot products of one weight row against 1-4 activation rows, one
+//!   implementation per instruction set, all computing the same floats;
+//! * [`matrix`]: [`BlockMatrix`], the product of a block matrix with activation rows:
+//!   integer dot products for a few rows (decode, small batches), dequantized weight
+//!   tiles through a cache-sized f32 buffer and `gemm` for many (prefill).
+
+pub mod blocks;
+mod dot;
+pub mod isa;
+pub mod matrix;
+
+pub use blocks::{Activations, Format, QK};
+pub use isa::Isa;
+pub use matrix::BlockMatrix;
