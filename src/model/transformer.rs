@@ -350,33 +350,37 @@ impl Model {
             t[t.len() / 2]
         };
         let (mut weights, mut lm_head, mut attention_s) = (Vec::new(), Vec::new(), Vec::new());
-        for _ in 0..reps.max(1) {
-            let start = std::time::Instant::now();
-            for b in &self.blocks {
-                b.qkv.forward(&x)?;
-                b.wo.forward(&x_attn)?;
-                b.gate_up.forward(&x)?;
-                b.down.forward(&x_ff)?;
+        // On a worker of rayon's pool, as the forward pass runs (see `forward`).
+        rayon::scope(|_| -> Result<()> {
+            for _ in 0..reps.max(1) {
+                let start = std::time::Instant::now();
+                for b in &self.blocks {
+                    b.qkv.forward(&x)?;
+                    b.wo.forward(&x_attn)?;
+                    b.gate_up.forward(&x)?;
+                    b.down.forward(&x_ff)?;
+                }
+                weights.push(start.elapsed().as_secs_f64());
+                let start = std::time::Instant::now();
+                self.lm_head.forward(&x)?;
+                lm_head.push(start.elapsed().as_secs_f64());
+                let start = std::time::Instant::now();
+                for rows in &kv {
+                    let len = rows.len() / (2 * nkv * dh);
+                    let (keys, values) = rows.split_at(rows.len() / 2);
+                    let heads: Vec<attention::KvRows> = (0..nkv)
+                        .map(|h| attention::KvRows {
+                            keys: &keys[h * len * dh..][..len * dh],
+                            values: &values[h * len * dh..][..len * dh],
+                            len,
+                        })
+                        .collect();
+                    attention::decode_rows(&q, dh, &heads, &masks, false);
+                }
+                attention_s.push(start.elapsed().as_secs_f64());
             }
-            weights.push(start.elapsed().as_secs_f64());
-            let start = std::time::Instant::now();
-            self.lm_head.forward(&x)?;
-            lm_head.push(start.elapsed().as_secs_f64());
-            let start = std::time::Instant::now();
-            for rows in &kv {
-                let len = rows.len() / (2 * nkv * dh);
-                let (keys, values) = rows.split_at(rows.len() / 2);
-                let heads: Vec<attention::KvRows> = (0..nkv)
-                    .map(|h| attention::KvRows {
-                        keys: &keys[h * len * dh..][..len * dh],
-                        values: &values[h * len * dh..][..len * dh],
-                        len,
-                    })
-                    .collect();
-                attention::decode_rows(&q, dh, &heads, &masks, false);
-            }
-            attention_s.push(start.elapsed().as_secs_f64());
-        }
+            Ok(())
+        })?;
         Ok(DecodeParts {
             weights_s: median(weights),
             lm_head_s: median(lm_head),

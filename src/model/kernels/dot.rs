@@ -65,35 +65,32 @@ pub(super) fn weight_row<const R: usize>(
     }
 }
 
-/// Element `e` of a Q4_1 block's nibbles `qs` (16 bytes).
-fn nibble(qs: &[u8], e: usize) -> i32 {
-    if e < QK / 2 {
-        (qs[e] & 0x0F) as i32
-    } else {
-        (qs[e - QK / 2] >> 4) as i32
-    }
-}
-
 /// The portable loop, in the lane order of the x86 kernels.
 fn portable(format: Format, x: &Activations, w: &[u8]) -> f32 {
     let mut acc = [[0f32; 8]; 2];
     let mut offset = 0f32;
+    let mut q = [0i32; QK];
     for (b, blk) in w.chunks_exact(format.block_bytes()).enumerate() {
         let xq = &x.q[b * QK..(b + 1) * QK];
         let [dx, dx_sum] = x.scales[b];
         let d = f16::from_le_bytes([blk[0], blk[1]]).to_f32();
-        let weight = |e: usize| match format {
-            Format::Q4_1 => nibble(&blk[4..], e),
-            Format::Q8_0 => blk[2 + e] as i8 as i32,
-        };
-        if format == Format::Q4_1 {
-            offset += f16::from_le_bytes([blk[2], blk[3]]).to_f32() * dx_sum;
+        match format {
+            Format::Q4_1 => {
+                for (j, &byte) in blk[4..4 + QK / 2].iter().enumerate() {
+                    q[j] = (byte & 0x0F) as i32;
+                    q[j + QK / 2] = (byte >> 4) as i32;
+                }
+                offset += f16::from_le_bytes([blk[2], blk[3]]).to_f32() * dx_sum;
+            }
+            Format::Q8_0 => {
+                for (o, &byte) in q.iter_mut().zip(&blk[2..2 + QK]) {
+                    *o = byte as i8 as i32;
+                }
+            }
         }
         let scale = d * dx;
         for (lane, a) in acc[b % 2].iter_mut().enumerate() {
-            let dot: i32 = (4 * lane..4 * lane + 4)
-                .map(|e| weight(e) * xq[e] as i32)
-                .sum();
+            let dot: i32 = (4 * lane..4 * lane + 4).map(|e| q[e] * xq[e] as i32).sum();
             *a = (dot as f32).mul_add(scale, *a);
         }
     }
