@@ -9,8 +9,8 @@
 //!   KV heads and parts of the keys, 16-lane dot products and a vectorised `exp`: a
 //!   matrix product with one row spends most of its time packing operands. Its loops
 //!   are compiled for AVX2 and AVX-512 besides the build's own target and chosen at run
-//!   time ([`Isa`]), with the same floats on each (the prefill softmax of [`blocked`] is
-//!   not: entered per row that way it measured 15-20% slower prefill on an AVX2 machine);
+//!   time ([`Isa`]), with the same floats on each; the prefill softmax of [`blocked`]
+//!   is compiled for the build's target only;
 //! * [`streaming`]: a one-pass online softmax (Milakov and Gimelshein 2018, as in
 //!   FlashAttention) that visits key positions in order, one query row at a time, and
 //!   for a single query splits the keys into tiles of 16 merged left to right. This is the
@@ -35,32 +35,34 @@ use crate::model::kernels::Isa;
 use crate::model::{fast_exp, ggml};
 use crate::{Error, Result};
 
-/// Call `$f($args)`, an `#[inline(always)]` function of plain loops, compiled for the
-/// widest vectors `$isa` allows: the loops are the same, so the floats are too
-/// (no reassociation, no fused multiply-add), only the vector width differs.
-macro_rules! simd {
-    ($isa:expr, $f:ident($($arg:expr),*)) => {{
-        #[cfg(target_arch = "x86_64")]
-        {
-            #[target_feature(enable = "avx512f,avx2,fma")]
-            unsafe fn wide(f: impl FnOnce()) {
-                f()
-            }
-            #[target_feature(enable = "avx2,fma")]
-            unsafe fn narrow(f: impl FnOnce()) {
-                f()
-            }
-            let isa: Isa = $isa;
-            match if isa.supported() { isa } else { Isa::Portable } {
-                // SAFETY: the CPU was checked to run the set.
-                Isa::Avx512Vnni => unsafe { wide(|| $f($($arg),*)) },
-                Isa::Avx2 => unsafe { narrow(|| $f($($arg),*)) },
-                Isa::Portable => $f($($arg),*),
-            }
+/// Run `f`, a closure over `#[inline(always)]` functions of plain loops, compiled for the
+/// widest vectors `isa` allows (the portable build target if the CPU lacks it): the loops
+/// are the same, so the floats are too (no reassociation, no fused multiply-add), only
+/// the vector width differs.
+#[inline(always)]
+fn on_isa(isa: Isa, f: impl FnOnce()) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx512f,avx2,fma")]
+        unsafe fn wide(f: impl FnOnce()) {
+            f()
         }
-        #[cfg(not(target_arch = "x86_64"))]
-        $f($($arg),*)
-    }};
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn narrow(f: impl FnOnce()) {
+            f()
+        }
+        match isa {
+            // SAFETY (both): `supported` checked that the CPU runs the set.
+            Isa::Avx512Vnni if isa.supported() => unsafe { wide(f) },
+            Isa::Avx2 if isa.supported() => unsafe { narrow(f) },
+            _ => f(),
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = isa;
+        f()
+    }
 }
 
 /// Keys per tile in the single-query path.
@@ -349,7 +351,7 @@ fn decode_rows_on(
     };
     tasks
         .par_iter_mut()
-        .for_each(|task| simd!(isa, run_task(task, &step)));
+        .for_each(|task| on_isa(isa, || run_task(task, &step)));
     // Merge the parts of each query head (tasks of one KV head are consecutive).
     let mut out = vec![0f32; nh * dh];
     let mut probs = want_probs.then(|| {

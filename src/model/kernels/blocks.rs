@@ -15,7 +15,7 @@ use half::f16;
 pub const QK: usize = 32;
 
 /// A weight block layout.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Format {
     /// GGUF Q4_1.
     Q4_1,

@@ -12,8 +12,7 @@ use crate::{Error, Result};
 pub const ISA_ENV: &str = "HEADWISE_ISA";
 
 /// An instruction set of the kernels, from the lowest to the highest.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, serde::Serialize)]
-#[serde(rename_all = "snake_case")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Isa {
     /// Plain Rust loops, on any CPU.
     Portable,
