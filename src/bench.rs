@@ -3,6 +3,13 @@
 //! (`eval/results/<model>/bench*/`: `summary.json` and a README with the table, the
 //! machine and the command). Each engine measurement runs in a fresh process so that the
 //! peak resident memory belongs to one engine alone.
+//!
+//! A virtual machine's speed drifts by tens of percent within minutes (measured here:
+//! the same kernel at 27-75 GFLOP/s in one hour), so the engine bench runs in rounds:
+//! every engine at every length once per round, the engines' order rotated from round to
+//! round. A table row is the median over rounds, and a ratio between two engines is the
+//! median of the ratios within each round (the two measured minutes apart, not an hour),
+//! with the smallest and largest round beside it.
 
 use std::path::Path;
 
@@ -39,6 +46,10 @@ pub struct BenchRecord {
     /// The decode step's parts, each timed alone (instrumented engine).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub decode_parts: Option<DecodeParts>,
+    /// The round of the bench it was measured in, from 0 (set by the bench, not the
+    /// worker).
+    #[serde(default)]
+    pub round: usize,
 }
 
 /// What one decode step streams from memory.
@@ -79,10 +90,152 @@ pub fn read_bandwidth() -> f64 {
     BYTES as f64 / best
 }
 
-/// The Markdown table of engine measurements, then the instrumented engine's speed and
-/// memory relative to each other engine at each prompt length; with `bandwidth`
-/// (bytes/s) each instrumented row's decode speed as a share of the bandwidth ceiling.
-pub fn table(records: &[BenchRecord], bandwidth: Option<f64>) -> String {
+/// The median of `values` (the mean of the middle two for an even count); NaN if empty.
+fn median(values: impl IntoIterator<Item = f64>) -> f64 {
+    let mut v: Vec<f64> = values.into_iter().collect();
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
+
+/// Per (engine, prompt length), in the order first measured: one record whose speeds are
+/// the medians over its rounds, whose peak RSS is the largest, and whose decode parts are
+/// each part's median. `round` holds the number of rounds.
+pub fn medians(measured: &[BenchRecord]) -> Vec<BenchRecord> {
+    let mut keys: Vec<(&str, usize)> = Vec::new();
+    for r in measured {
+        if !keys.contains(&(r.engine.as_str(), r.prompt_tokens)) {
+            keys.push((r.engine.as_str(), r.prompt_tokens));
+        }
+    }
+    keys.into_iter()
+        .map(|(engine, n)| {
+            let rs: Vec<&BenchRecord> = measured
+                .iter()
+                .filter(|r| r.engine == engine && r.prompt_tokens == n)
+                .collect();
+            let parts: Vec<DecodeParts> = rs.iter().filter_map(|r| r.decode_parts).collect();
+            BenchRecord {
+                prefill_tok_s: median(rs.iter().map(|r| r.prefill_tok_s)),
+                decode_tok_s: median(rs.iter().map(|r| r.decode_tok_s)),
+                peak_rss_bytes: rs.iter().filter_map(|r| r.peak_rss_bytes).max(),
+                decode_parts: (!parts.is_empty()).then(|| DecodeParts {
+                    weights_s: median(parts.iter().map(|p| p.weights_s)),
+                    lm_head_s: median(parts.iter().map(|p| p.lm_head_s)),
+                    attention_s: median(parts.iter().map(|p| p.attention_s)),
+                }),
+                round: rs.len(),
+                ..rs[0].clone()
+            }
+        })
+        .collect()
+}
+
+/// The instrumented engine over another engine at one prompt length: one ratio per round
+/// in which both ran (each of the same round's two measurements).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Ratios {
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// The other engine.
+    pub engine: String,
+    /// Prefill tokens/s over the other's, per round.
+    pub prefill: Vec<f64>,
+    /// Decode tokens/s over the other's, per round.
+    pub decode: Vec<f64>,
+    /// Peak RSS over the other's, per round where both are known.
+    pub peak_rss: Vec<f64>,
+}
+
+/// The smallest and largest of `values` (infinities if empty).
+fn span(values: &[f64]) -> (f64, f64) {
+    let lo = values.iter().copied().fold(f64::INFINITY, f64::min);
+    let hi = values.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    (lo, hi)
+}
+
+/// `median (min-max)` of ratios, or the single value.
+fn ratio_text(values: &[f64]) -> String {
+    let (lo, hi) = span(values);
+    match values.len() {
+        0 => "?".into(),
+        1 => format!("{:.2}x", values[0]),
+        _ => format!("{:.2}x ({lo:.2}-{hi:.2})", median(values.iter().copied())),
+    }
+}
+
+/// Per prompt length (ascending) and other engine: the instrumented engine's ratios over
+/// it, paired within rounds.
+pub fn ratios(measured: &[BenchRecord]) -> Vec<Ratios> {
+    let mut out: Vec<Ratios> = Vec::new();
+    let mut lengths: Vec<usize> = measured.iter().map(|r| r.prompt_tokens).collect();
+    lengths.sort_unstable();
+    lengths.dedup();
+    for n in lengths {
+        let at = |engine: &str, round: usize| {
+            measured
+                .iter()
+                .find(|r| r.engine == engine && r.prompt_tokens == n && r.round == round)
+        };
+        let mut others: Vec<&str> = Vec::new();
+        for r in measured.iter().filter(|r| r.prompt_tokens == n) {
+            if r.engine != "instrumented" && !others.contains(&r.engine.as_str()) {
+                others.push(&r.engine);
+            }
+        }
+        for other in others {
+            let pairs: Vec<(&BenchRecord, &BenchRecord)> = measured
+                .iter()
+                .filter(|b| b.engine == other && b.prompt_tokens == n)
+                .filter_map(|b| at("instrumented", b.round).map(|a| (a, b)))
+                .collect();
+            if pairs.is_empty() {
+                continue;
+            }
+            out.push(Ratios {
+                prompt_tokens: n,
+                engine: other.to_string(),
+                prefill: pairs
+                    .iter()
+                    .map(|(a, b)| a.prefill_tok_s / b.prefill_tok_s)
+                    .collect(),
+                decode: pairs
+                    .iter()
+                    .map(|(a, b)| a.decode_tok_s / b.decode_tok_s)
+                    .collect(),
+                peak_rss: pairs
+                    .iter()
+                    .filter_map(|(a, b)| Some(a.peak_rss_bytes? as f64 / b.peak_rss_bytes? as f64))
+                    .collect(),
+            });
+        }
+    }
+    out
+}
+
+/// The Markdown table of engine measurements (`measured`: every round's; a row is the
+/// median over rounds, with the range when there were several), then the instrumented
+/// engine's speed and memory relative to each other engine at each prompt length (paired
+/// within rounds); with `bandwidth` (bytes/s) each instrumented row's decode speed as a
+/// share of the bandwidth ceiling.
+pub fn table(measured: &[BenchRecord], bandwidth: Option<f64>) -> String {
+    let records = medians(measured);
+    let range = |r: &BenchRecord, speed: fn(&BenchRecord) -> f64| {
+        let v: Vec<f64> = measured
+            .iter()
+            .filter(|m| m.engine == r.engine && m.prompt_tokens == r.prompt_tokens)
+            .map(speed)
+            .collect();
+        let (lo, hi) = span(&v);
+        if v.len() > 1 {
+            format!("{:.1} ({lo:.0}-{hi:.0})", speed(r))
+        } else {
+            format!("{:.1}", speed(r))
+        }
+    };
     let mib = |b: Option<u64>| {
         b.map_or("?".to_string(), |b| {
             format!("{:.0}", b as f64 / (1 << 20) as f64)
@@ -93,7 +246,7 @@ pub fn table(records: &[BenchRecord], bandwidth: Option<f64>) -> String {
          MiB read per decode step (weights + KV) | decode / bandwidth ceiling |\n\
          | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |\n",
     );
-    for r in records {
+    for r in &records {
         let step = r.step_bytes.map_or("-".to_string(), |b| {
             format!(
                 "{:.1} + {:.1}",
@@ -105,12 +258,12 @@ pub fn table(records: &[BenchRecord], bandwidth: Option<f64>) -> String {
             .and_then(|bw| r.ceiling_share(bw))
             .map_or("-".to_string(), |s| format!("{:.0}%", 100.0 * s));
         md.push_str(&format!(
-            "| {} | {} | {} | {:.1} | {:.1} | {} | {step} | {share} |\n",
+            "| {} | {} | {} | {} | {} | {} | {step} | {share} |\n",
             r.engine,
             r.isa.as_deref().unwrap_or("-"),
             r.prompt_tokens,
-            r.prefill_tok_s,
-            r.decode_tok_s,
+            range(r, |m| m.prefill_tok_s),
+            range(r, |m| m.decode_tok_s),
             mib(r.peak_rss_bytes)
         ));
     }
@@ -143,58 +296,50 @@ pub fn table(records: &[BenchRecord], bandwidth: Option<f64>) -> String {
             bw / 1e9
         ));
     }
-    for (n, a, b) in comparisons(records) {
-        let memory = match (a.peak_rss_bytes, b.peak_rss_bytes) {
-            (Some(x), Some(y)) => format!(", peak memory {:.2}x", x as f64 / y as f64),
-            _ => String::new(),
+    let rounds = records.iter().map(|r| r.round).max().unwrap_or(0);
+    if rounds > 1 {
+        md.push_str(&format!(
+            "\nSpeeds are medians over {rounds} rounds (smallest and largest in brackets); \
+             peak RSS is the largest; a ratio is the median of the ratios within each \
+             round (range in brackets).\n"
+        ));
+    }
+    for r in ratios(measured) {
+        let memory = if r.peak_rss.is_empty() {
+            String::new()
+        } else {
+            format!(", peak memory {}", ratio_text(&r.peak_rss))
         };
         md.push_str(&format!(
-            "\nat {n} tokens, instrumented / {}: prefill {:.2}x, decode {:.2}x{memory}\n",
-            b.engine,
-            a.prefill_tok_s / b.prefill_tok_s,
-            a.decode_tok_s / b.decode_tok_s,
+            "\nat {} tokens, instrumented / {}: prefill {}, decode {}{memory}\n",
+            r.prompt_tokens,
+            r.engine,
+            ratio_text(&r.prefill),
+            ratio_text(&r.decode),
         ));
     }
     md
 }
 
-/// Per prompt length (ascending): the instrumented engine's record and each other
-/// engine's at that length.
-fn comparisons(records: &[BenchRecord]) -> Vec<(usize, &BenchRecord, &BenchRecord)> {
-    let mut lengths: Vec<usize> = records.iter().map(|r| r.prompt_tokens).collect();
-    lengths.sort_unstable();
-    lengths.dedup();
-    let at = |n: usize| records.iter().filter(move |r| r.prompt_tokens == n);
-    lengths
-        .into_iter()
-        .flat_map(|n| {
-            let ours = at(n).find(|r| r.engine == "instrumented");
-            ours.into_iter().flat_map(move |a| {
-                at(n)
-                    .filter(|b| b.engine != "instrumented")
-                    .map(move |b| (n, a, b))
-            })
-        })
-        .collect()
-}
-
-/// The records of engine measurements (experiment `bench`, task: the engine):
-/// `prefill_tok_s`, `decode_tok_s` and `peak_rss_bytes` each, and per other engine (task
-/// `instrumented-vs-<engine>`) `prefill_ratio`, `decode_ratio` and `peak_rss_ratio` of
-/// the instrumented engine over it; with `bandwidth`, `read_bandwidth_bytes_s` (task
-/// `machine`) and each instrumented row's `decode_ceiling_share`.
+/// The records of engine measurements (experiment `bench`, task: the engine; `n` the
+/// rounds): the medians `prefill_tok_s`, `decode_tok_s` and the largest `peak_rss_bytes`
+/// each, and per other engine (task `instrumented-vs-<engine>`) the medians of the
+/// within-round ratios `prefill_ratio`, `decode_ratio` and `peak_rss_ratio` of the
+/// instrumented engine over it, with their smallest and largest round (`_min`, `_max`);
+/// with `bandwidth`, `read_bandwidth_bytes_s` (task `machine`) and each instrumented
+/// row's `decode_ceiling_share`.
 pub fn speed_records(
     model: &ModelId,
-    records: &[BenchRecord],
+    measured: &[BenchRecord],
     bandwidth: Option<f64>,
     made: &Made,
 ) -> Vec<ResultRecord> {
     let record = recorder("bench", model, None, made);
-    let rec = |task: &str, tokens: usize, metric: &str, value: f64| {
-        record(task, Some(tokens), metric, value, 1)
-    };
     let mut out = Vec::new();
-    for r in records {
+    for r in medians(measured) {
+        let rec = |task: &str, tokens: usize, metric: &str, value: f64| {
+            record(task, Some(tokens), metric, value, r.round)
+        };
         out.push(rec(
             &r.engine,
             r.prompt_tokens,
@@ -222,22 +367,25 @@ pub fn speed_records(
     if let Some(bw) = bandwidth {
         out.push(record("machine", None, "read_bandwidth_bytes_s", bw, 1));
     }
-    for (n, a, b) in comparisons(records) {
-        let task = format!("instrumented-vs-{}", b.engine);
-        out.push(rec(
-            &task,
-            n,
-            "prefill_ratio",
-            a.prefill_tok_s / b.prefill_tok_s,
-        ));
-        out.push(rec(
-            &task,
-            n,
-            "decode_ratio",
-            a.decode_tok_s / b.decode_tok_s,
-        ));
-        if let (Some(x), Some(y)) = (a.peak_rss_bytes, b.peak_rss_bytes) {
-            out.push(rec(&task, n, "peak_rss_ratio", x as f64 / y as f64));
+    for r in ratios(measured) {
+        let task = format!("instrumented-vs-{}", r.engine);
+        for (metric, values) in [
+            ("prefill_ratio", &r.prefill),
+            ("decode_ratio", &r.decode),
+            ("peak_rss_ratio", &r.peak_rss),
+        ] {
+            if values.is_empty() {
+                continue;
+            }
+            let rec = |metric: &str, value: f64| {
+                record(&task, Some(r.prompt_tokens), metric, value, values.len())
+            };
+            out.push(rec(metric, median(values.iter().copied())));
+            if values.len() > 1 {
+                let (lo, hi) = span(values);
+                out.push(rec(&format!("{metric}_min"), lo));
+                out.push(rec(&format!("{metric}_max"), hi));
+            }
         }
     }
     out
@@ -313,7 +461,7 @@ mod tests {
         assert_eq!(a.lines().count(), 61);
     }
 
-    fn measured(engine: &str, prompt_tokens: usize, speed: f64) -> BenchRecord {
+    fn measured_one(engine: &str, prompt_tokens: usize, speed: f64) -> BenchRecord {
         BenchRecord {
             engine: engine.into(),
             prompt_tokens,
@@ -324,7 +472,59 @@ mod tests {
             isa: None,
             step_bytes: None,
             decode_parts: None,
+            round: 0,
         }
+    }
+
+    #[test]
+    fn rounds_give_medians_and_ratios_paired_within_a_round() {
+        // The machine is twice as fast in round 1: each engine's speed doubles, and the
+        // within-round ratio stays 2 while the ratio of medians would not.
+        let mut measured = Vec::new();
+        for (round, machine) in [(0, 1.0), (1, 2.0), (2, 1.5)] {
+            for (engine, speed) in [("instrumented", 4.0), ("llama.cpp", 2.0)] {
+                let mut r = measured_one(engine, 512, speed * machine);
+                r.round = round;
+                r.peak_rss_bytes = Some((1 << 20) * (round as u64 + 1));
+                measured.push(r);
+            }
+        }
+        // a fourth round in which llama.cpp alone ran pairs with nothing
+        let mut lone = measured_one("llama.cpp", 512, 100.0);
+        lone.round = 3;
+        measured.push(lone);
+        let m = medians(&measured);
+        assert_eq!(m.len(), 2);
+        assert_eq!((m[0].decode_tok_s, m[0].round), (6.0, 3));
+        assert_eq!(m[0].peak_rss_bytes, Some(3 << 20));
+        // llama.cpp: median of 2, 3, 4, 100
+        assert_eq!(m[1].decode_tok_s, 3.5);
+        let r = ratios(&measured);
+        assert_eq!(r.len(), 1);
+        assert_eq!(r[0].decode, vec![2.0, 2.0, 2.0]);
+        assert_eq!(r[0].peak_rss, vec![1.0, 1.0, 1.0]);
+        let md = table(&measured, None);
+        assert!(
+            md.contains("| llama.cpp | - | 512 | 35.0 (20-1000) | 3.5 (2-100) |"),
+            "{md}"
+        );
+        assert!(md.contains("decode 2.00x (2.00-2.00)"), "{md}");
+        let id = ModelId {
+            name: "m".into(),
+            sha256: "00".into(),
+        };
+        let records = speed_records(&id, &measured, None, &Made::now("fast"));
+        let get = |metric: &str| {
+            records
+                .iter()
+                .find(|x| {
+                    x.metric == metric && x.task.as_deref() == Some("instrumented-vs-llama.cpp")
+                })
+                .map(|x| (x.value, x.n))
+        };
+        assert_eq!(get("decode_ratio"), Some((2.0, 3)));
+        assert_eq!(get("decode_ratio_min"), Some((2.0, 3)));
+        assert_eq!(get("prefill_ratio_max"), Some((2.0, 3)));
     }
 
     #[test]
@@ -334,9 +534,9 @@ mod tests {
             sha256: "00".into(),
         };
         let measured = [
-            measured("instrumented", 512, 4.0),
-            measured("mistralrs", 512, 2.0),
-            measured("instrumented", 64, 1.0),
+            measured_one("instrumented", 512, 4.0),
+            measured_one("mistralrs", 512, 2.0),
+            measured_one("instrumented", 64, 1.0),
         ];
         let out = speed_records(&id, &measured, None, &Made::now("fast"));
         // 3 measurements x 3 metrics, one comparison x 3 ratios
@@ -361,7 +561,7 @@ mod tests {
 
     #[test]
     fn the_ceiling_share_is_decode_speed_over_bandwidth_per_step_bytes() {
-        let mut r = measured("instrumented", 512, 50.0);
+        let mut r = measured_one("instrumented", 512, 50.0);
         assert_eq!(r.ceiling_share(1e9), None);
         r.step_bytes = Some(StepBytes {
             weights: 60_000_000,

@@ -580,10 +580,15 @@ fn an_unknown_or_missing_instruction_set_is_refused_before_loading() {
     ];
     let (code, err) = headwise(&args, &[("HEADWISE_ISA", "sse9")]);
     assert_clean_error(code, &err, "HEADWISE_ISA");
-    assert!(err.contains("portable, avx2 or avx512vnni"), "{err}");
-    // A set this CPU lacks (none on an AVX-512 VNNI machine) is refused by name.
+    assert!(
+        err.contains("portable, avx2, avxvnni or avx512vnni"),
+        "{err}"
+    );
+    // A set this CPU lacks is refused by name (none is lacking on a CPU with AVX-512 VNNI
+    // and AVX-VNNI, such as Sapphire Rapids).
     for isa in [
         headwise::model::kernels::Isa::Avx512Vnni,
+        headwise::model::kernels::Isa::AvxVnni,
         headwise::model::kernels::Isa::Avx2,
     ] {
         if !isa.supported() {
@@ -591,4 +596,29 @@ fn an_unknown_or_missing_instruction_set_is_refused_before_loading() {
             assert_clean_error(code, &err, "this CPU lacks it");
         }
     }
+}
+
+#[test]
+fn a_bench_baseline_needs_a_name_of_its_own_and_an_existing_binary() {
+    for (value, needle) in [
+        ("before", "expected NAME=PATH"),
+        ("llama.cpp=/bin/sh", "a name of its own"),
+        ("=/bin/sh", "a name of its own"),
+        ("before=no/such/headwise", "no such file"),
+    ] {
+        let (code, err) = headwise(
+            &["bench".as_ref(), "--baseline".as_ref(), value.as_ref()],
+            &[],
+        );
+        assert_eq!(code, 2, "a usage error: {err}");
+        assert!(!err.contains("panicked"), "panic: {err}");
+        let first = err.lines().next().unwrap_or("");
+        assert!(
+            first.starts_with("error: ") && first.contains(needle),
+            "expected `{needle}` in: {first}"
+        );
+    }
+    let (code, err) = headwise(&["bench".as_ref(), "--rounds".as_ref(), "0".as_ref()], &[]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("1..=50") || err.contains("1..51"), "{err}");
 }

@@ -56,6 +56,15 @@ pub struct BenchArgs {
     /// rows (see ../shared/tools/build-llama-bench.sh in the workplace).
     #[arg(long)]
     llama_bench: Option<PathBuf>,
+    /// Also run another headwise binary's instrumented engine, as `NAME=PATH` (e.g.
+    /// `before=/tmp/headwise-d7d7c22`): a before/after comparison in one run, its rows
+    /// under NAME.
+    #[arg(long, value_parser = parse_baseline)]
+    baseline: Option<(String, PathBuf)>,
+    /// Rounds of the engine bench: every engine at every length once per round, in an
+    /// order rotated from round to round; rows are medians, ratios paired within rounds.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u16).range(1..=50))]
+    rounds: u16,
     /// The probe card (`bench probe`), e.g. probes/<model>/niah.json.
     #[arg(long)]
     probe: Option<PathBuf>,
@@ -119,43 +128,37 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     if args.llama_bench.is_some() {
         engines.push(LLAMA_CPP.into());
     }
+    let mut engines: Vec<(String, PathBuf)> =
+        engines.into_iter().map(|e| (e, exe.clone())).collect();
+    if let Some((name, path)) = &args.baseline {
+        engines.push((name.clone(), path.clone()));
+    }
+    let rounds = usize::from(args.rounds);
     let mut records: Vec<BenchRecord> = Vec::new();
-    for &n in &args.prompt_tokens {
-        for engine in &engines {
-            if engine == "mistralrs" && cfg.architecture != Architecture::Llama {
+    for round in 0..rounds {
+        // Rotate the order so that no engine always runs first (or right after another).
+        let mut order = engines.clone();
+        let shift = round % order.len().max(1);
+        order.rotate_left(shift);
+        for &n in &args.prompt_tokens {
+            for (engine, bin) in &order {
+                if engine == "mistralrs" && cfg.architecture != Architecture::Llama {
+                    if round == 0 {
+                        eprintln!(
+                            "skipping mistralrs at {n} prompt tokens: mistral.rs 0.8 cannot load {:?} from GGUF",
+                            cfg.architecture
+                        );
+                    }
+                    continue;
+                }
                 eprintln!(
-                    "skipping mistralrs at {n} prompt tokens: mistral.rs 0.8 cannot load {:?} from GGUF",
-                    cfg.architecture
+                    "round {}/{rounds}: measuring {engine} at {n} prompt tokens ...",
+                    round + 1
                 );
-                continue;
+                let mut record = measure(&args, engine, bin, &path, numerics, n)?;
+                record.round = round;
+                records.push(record);
             }
-            eprintln!("measuring {engine} at {n} prompt tokens ...");
-            let mut worker = Command::new(&exe);
-            worker
-                .arg("bench-worker")
-                .args(["--engine", engine])
-                .args(["--prompt-tokens", &n.to_string()])
-                .args(["--decode-tokens", &args.decode_tokens.to_string()])
-                .arg("--model")
-                .arg(&path)
-                .args(["--numerics", numerics.name()]);
-            if let (LLAMA_CPP, Some(bin)) = (engine.as_str(), &args.llama_bench) {
-                worker.arg("--llama-bench").arg(bin);
-            }
-            let out = wait::output_within(
-                &mut worker,
-                wait::setting(wait::BENCH_TIMEOUT)?,
-                &format!("the {engine} bench worker"),
-                wait::BENCH_TIMEOUT.0,
-            )?;
-            if !out.status.success() {
-                anyhow::bail!(
-                    "{engine} at {n} tokens failed: {}",
-                    String::from_utf8_lossy(&out.stderr).trim()
-                );
-            }
-            let record: BenchRecord = serde_json::from_slice(&out.stdout)?;
-            records.push(record);
         }
     }
     let table = table(&records, Some(bandwidth));
@@ -164,8 +167,9 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     let made = Made::now(numerics.name());
     let body = format!(
         "Prefill of synthetic prompts and decode of {} tokens after them, each engine in a \
-         fresh process (peak RSS its own); summary.json: task = engine, ratios under \
-         `instrumented-vs-<engine>`.\n\n{table}",
+         fresh process (peak RSS its own), {rounds} round(s) with the engines' order \
+         rotated; summary.json: task = engine, ratios under `instrumented-vs-<engine>`.\
+         \n\n{table}",
         args.decode_tokens
     );
     let records = speed_records(&id, &records, Some(bandwidth), &made);
@@ -178,6 +182,81 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
         &records,
         &made,
     )
+}
+
+/// One engine at `n` prompt tokens in a fresh worker process of `exe` (this binary, or
+/// the `--baseline` one, whose instrumented engine runs and is named `engine`).
+fn measure(
+    args: &BenchArgs,
+    engine: &str,
+    exe: &std::path::Path,
+    model: &std::path::Path,
+    numerics: Numerics,
+    n: usize,
+) -> anyhow::Result<BenchRecord> {
+    let is_baseline = args
+        .baseline
+        .as_ref()
+        .is_some_and(|(name, _)| name == engine);
+    let mut worker = Command::new(exe);
+    worker
+        .arg("bench-worker")
+        .args([
+            "--engine",
+            if is_baseline { "instrumented" } else { engine },
+        ])
+        .args(["--prompt-tokens", &n.to_string()])
+        .args(["--decode-tokens", &args.decode_tokens.to_string()])
+        .arg("--model")
+        .arg(model)
+        .args(["--numerics", numerics.name()]);
+    if let (LLAMA_CPP, Some(bin)) = (engine, &args.llama_bench) {
+        worker.arg("--llama-bench").arg(bin);
+    }
+    let out = wait::output_within(
+        &mut worker,
+        wait::setting(wait::BENCH_TIMEOUT)?,
+        &format!("the {engine} bench worker"),
+        wait::BENCH_TIMEOUT.0,
+    )?;
+    if !out.status.success() {
+        anyhow::bail!(
+            "{engine} at {n} tokens failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    // The record is the worker's last line (an older baseline binary may print more).
+    let line = stdout
+        .lines()
+        .rev()
+        .find(|l| l.starts_with('{'))
+        .ok_or_else(|| {
+            anyhow::anyhow!(
+                "the {engine} bench worker printed no record: {}",
+                stdout.trim()
+            )
+        })?;
+    let mut record: BenchRecord = serde_json::from_str(line)?;
+    record.engine = engine.to_string();
+    Ok(record)
+}
+
+/// `NAME=PATH` of `--baseline`: a name that is not an engine's, and an existing file.
+fn parse_baseline(s: &str) -> Result<(String, PathBuf), String> {
+    let (name, path) = s
+        .split_once('=')
+        .ok_or_else(|| format!("`{s}`: expected NAME=PATH"))?;
+    if name.is_empty() || ["instrumented", "mistralrs", LLAMA_CPP].contains(&name) {
+        return Err(format!(
+            "`{name}`: the baseline needs a name of its own (not empty, not an engine's)"
+        ));
+    }
+    let path = PathBuf::from(path);
+    if !path.is_file() {
+        return Err(format!("{}: no such file", path.display()));
+    }
+    Ok((name.to_string(), path))
 }
 
 /// Write a bench's result folder: `--out`, or `eval/results/<model>/<folder>`.
@@ -258,6 +337,7 @@ fn llama_bench(
         isa: None,
         step_bytes: None,
         decode_parts: None,
+        round: 0,
     })
 }
 
@@ -330,6 +410,7 @@ pub fn worker(args: WorkerArgs) -> anyhow::Result<()> {
                     kv: lm.model.config().kv_view_bytes(context) as u64,
                 }),
                 decode_parts: Some(lm.model.time_decode_parts(context, 5)?),
+                round: 0,
             }
         }
         #[cfg(feature = "mistralrs")]
@@ -348,6 +429,7 @@ pub fn worker(args: WorkerArgs) -> anyhow::Result<()> {
                 isa: None,
                 step_bytes: None,
                 decode_parts: None,
+                round: 0,
             }
         }
         LLAMA_CPP => {

@@ -54,7 +54,7 @@ fn on_isa(isa: Isa, f: impl FnOnce()) {
         match isa {
             // SAFETY (both): `supported` checked that the CPU runs the set.
             Isa::Avx512Vnni if isa.supported() => unsafe { wide(f) },
-            Isa::Avx2 if isa.supported() => unsafe { narrow(f) },
+            Isa::Avx2 | Isa::AvxVnni if isa.supported() => unsafe { narrow(f) },
             _ => f(),
         }
     }

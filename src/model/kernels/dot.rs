@@ -9,7 +9,9 @@
 //! (even and odd blocks, so consecutive blocks do not wait on each other); the two are
 //! added and the lanes summed as `((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))`. The
 //! portable loop follows that order with `f32::mul_add`, so a result does not depend on
-//! the CPU, and a row's result does not depend on the other rows computed with it.
+//! the CPU, and a row's result does not depend on the other rows computed with it. The
+//! AVX-512 kernels hold an even and an odd block in the two halves of one 512-bit
+//! register, which are exactly the two accumulators.
 //!
 //! The x86 kernels multiply unsigned by signed bytes: Q4_1's nibbles are unsigned as they
 //! are; for Q8_0 each block is fed `|q_w|` and the activation with `q_w`'s sign moved onto
@@ -50,12 +52,16 @@ pub(super) fn weight_row<const R: usize>(
     }
     match (isa.0, format) {
         (Isa::Portable, _) => std::array::from_fn(|r| portable(format, x[r], w)),
-        // SAFETY (all four): `Supported` checked that the CPU has the features the
+        // SAFETY (all six): `Supported` checked that the CPU has the features the
         // function enables, and the lengths were checked above.
         #[cfg(target_arch = "x86_64")]
         (Isa::Avx2, Format::Q4_1) => unsafe { x86::q4_1_avx2(x, w) },
         #[cfg(target_arch = "x86_64")]
         (Isa::Avx2, Format::Q8_0) => unsafe { x86::q8_0_avx2(x, w) },
+        #[cfg(target_arch = "x86_64")]
+        (Isa::AvxVnni, Format::Q4_1) => unsafe { x86::q4_1_avxvnni(x, w) },
+        #[cfg(target_arch = "x86_64")]
+        (Isa::AvxVnni, Format::Q8_0) => unsafe { x86::q8_0_avxvnni(x, w) },
         #[cfg(target_arch = "x86_64")]
         (Isa::Avx512Vnni, Format::Q4_1) => unsafe { x86::q4_1_vnni(x, w) },
         #[cfg(target_arch = "x86_64")]
@@ -113,11 +119,18 @@ mod x86 {
         _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))
     }
 
-    /// The same lanes with one `vpdpbusd`.
+    /// The same lanes with one EVEX-encoded `vpdpbusd` (AVX-512 VNNI).
     #[inline]
     #[target_feature(enable = "avx512vnni,avx512vl")]
     fn dot_vnni(u: __m256i, s: __m256i) -> __m256i {
         _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s)
+    }
+
+    /// The same lanes with one VEX-encoded `vpdpbusd` (AVX-VNNI).
+    #[inline]
+    #[target_feature(enable = "avxvnni")]
+    fn dot_avxvnni(u: __m256i, s: __m256i) -> __m256i {
+        _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s)
     }
 
     /// `((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))`.
@@ -196,9 +209,136 @@ mod x86 {
 
     kernels!(q4_1_avx2, q8_0_avx2, "avx2,fma,f16c", dot_avx2);
     kernels!(
-        q4_1_vnni,
-        q8_0_vnni,
-        "avx512vnni,avx512vl,avx512f,avx2,fma,f16c",
-        dot_vnni
+        q4_1_avxvnni,
+        q8_0_avxvnni,
+        "avxvnni,avx2,fma,f16c",
+        dot_avxvnni
     );
+    /// A 512-bit register from two 256-bit halves: `lo` in lanes 0-7, `hi` in 8-15.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn join_ps(lo: __m256, hi: __m256) -> __m512 {
+        _mm512_castpd_ps(_mm512_insertf64x4(
+            _mm512_castpd256_pd512(_mm256_castps_pd(lo)),
+            _mm256_castps_pd(hi),
+            1,
+        ))
+    }
+
+    /// The halves of a 512-bit register, `(lanes 0-7, lanes 8-15)`.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn halves(v: __m512) -> (__m256, __m256) {
+        let d = _mm512_castps_pd(v);
+        (
+            _mm256_castpd_ps(_mm512_castpd512_pd256(d)),
+            _mm256_castpd_ps(_mm512_extractf64x4_pd(d, 1)),
+        )
+    }
+
+    // AVX-512 VNNI: two blocks per 512-bit register, block `2p` in the low half and
+    // `2p + 1` in the high half, so the low half of the accumulator is the even-block
+    // accumulator of the 256-bit kernels and the high half the odd one: every lane sees
+    // the same fused multiply-adds in the same order. An odd last block goes to the low
+    // half alone.
+
+    /// Q4_1 row `w` against `R` activation rows, two blocks per step.
+    #[target_feature(enable = "avx512vnni,avx512bw,avx512vl,avx512f,avx2,fma,f16c")]
+    pub(super) unsafe fn q4_1_vnni<const R: usize>(x: [&Activations; R], w: &[u8]) -> [f32; R] {
+        let low = _mm_set1_epi8(0x0F);
+        let nibbles = |blk: *const u8| {
+            let packed = _mm_loadu_si128(blk.add(4) as *const __m128i);
+            let lo = _mm_and_si128(packed, low);
+            let hi = _mm_and_si128(_mm_srli_epi16(packed, 4), low);
+            _mm256_set_m128i(hi, lo)
+        };
+        // (d, m) of a block as f32 lanes 0 and 1.
+        let dm =
+            |blk: *const u8| _mm_cvtph_ps(_mm_cvtsi32_si128((blk as *const i32).read_unaligned()));
+        let mut acc = [_mm512_setzero_ps(); R];
+        // Lane 1 accumulates `m * d_x * sum(q_x)` block after block; lane 0 is scratch.
+        let mut offsets = [_mm_setzero_ps(); R];
+        let nb = x[0].blocks();
+        for p in 0..nb / 2 {
+            let b = 2 * p;
+            let (b0, b1) = (w.as_ptr().add(b * 20), w.as_ptr().add((b + 1) * 20));
+            let wv = _mm512_inserti64x4(_mm512_castsi256_si512(nibbles(b0)), nibbles(b1), 1);
+            let (dm0, dm1) = (dm(b0), dm(b1));
+            for r in 0..R {
+                let xs = x[r].scales.as_ptr().add(b) as *const f64;
+                let s0 = _mm_mul_ps(dm0, _mm_castpd_ps(_mm_load_sd(xs)));
+                let s1 = _mm_mul_ps(dm1, _mm_castpd_ps(_mm_load_sd(xs.add(1))));
+                offsets[r] = _mm_add_ps(_mm_add_ps(offsets[r], s0), s1);
+                let xv = _mm512_loadu_si512(x[r].q.as_ptr().add(b * QK) as *const __m512i);
+                let dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv));
+                let scale = join_ps(_mm256_broadcastss_ps(s0), _mm256_broadcastss_ps(s1));
+                acc[r] = _mm512_fmadd_ps(dot, scale, acc[r]);
+            }
+        }
+        let mut out = [0f32; R];
+        for r in 0..R {
+            let (mut even, odd) = halves(acc[r]);
+            if nb % 2 == 1 {
+                let b = nb - 1;
+                let blk = w.as_ptr().add(b * 20);
+                let xs = x[r].scales.as_ptr().add(b) as *const f64;
+                let s = _mm_mul_ps(dm(blk), _mm_castpd_ps(_mm_load_sd(xs)));
+                offsets[r] = _mm_add_ps(offsets[r], s);
+                let xv = _mm256_loadu_si256(x[r].q.as_ptr().add(b * QK) as *const __m256i);
+                let dot = _mm256_cvtepi32_ps(dot_vnni(nibbles(blk), xv));
+                even = _mm256_fmadd_ps(dot, _mm256_broadcastss_ps(s), even);
+            }
+            out[r] = hsum(_mm256_add_ps(even, odd))
+                + _mm_cvtss_f32(_mm_shuffle_ps(offsets[r], offsets[r], 1));
+        }
+        out
+    }
+
+    /// Q8_0 row `w` against `R` activation rows, two blocks per step. AVX-512 has no
+    /// `vpsignb`: the activation is negated where the weight is negative, under a mask.
+    #[target_feature(enable = "avx512vnni,avx512bw,avx512vl,avx512f,avx2,fma,f16c")]
+    pub(super) unsafe fn q8_0_vnni<const R: usize>(x: [&Activations; R], w: &[u8]) -> [f32; R] {
+        let d = |blk: *const u8| {
+            let bits = (blk as *const u16).read_unaligned() as i32;
+            _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits)))
+        };
+        let codes = |blk: *const u8| _mm256_loadu_si256(blk.add(2) as *const __m256i);
+        let mut acc = [_mm512_setzero_ps(); R];
+        let nb = x[0].blocks();
+        for p in 0..nb / 2 {
+            let b = 2 * p;
+            let (b0, b1) = (w.as_ptr().add(b * 34), w.as_ptr().add((b + 1) * 34));
+            let wv = _mm512_inserti64x4(_mm512_castsi256_si512(codes(b0)), codes(b1), 1);
+            let wabs = _mm512_abs_epi8(wv);
+            let negative = _mm512_movepi8_mask(wv);
+            let (d0, d1) = (d(b0), d(b1));
+            for r in 0..R {
+                let xv = _mm512_loadu_si512(x[r].q.as_ptr().add(b * QK) as *const __m512i);
+                let signed = _mm512_mask_sub_epi8(xv, negative, _mm512_setzero_si512(), xv);
+                let dot =
+                    _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wabs, signed));
+                let scale = join_ps(
+                    _mm256_set1_ps(d0 * x[r].scales[b][0]),
+                    _mm256_set1_ps(d1 * x[r].scales[b + 1][0]),
+                );
+                acc[r] = _mm512_fmadd_ps(dot, scale, acc[r]);
+            }
+        }
+        let mut out = [0f32; R];
+        for r in 0..R {
+            let (mut even, odd) = halves(acc[r]);
+            if nb % 2 == 1 {
+                let b = nb - 1;
+                let blk = w.as_ptr().add(b * 34);
+                let wv = codes(blk);
+                let xv = _mm256_loadu_si256(x[r].q.as_ptr().add(b * QK) as *const __m256i);
+                let dot =
+                    _mm256_cvtepi32_ps(dot_vnni(_mm256_abs_epi8(wv), _mm256_sign_epi8(xv, wv)));
+                let scale = _mm256_set1_ps(d(blk) * x[r].scales[b][0]);
+                even = _mm256_fmadd_ps(dot, scale, even);
+            }
+            out[r] = hsum(_mm256_add_ps(even, odd));
+        }
+        out
+    }
 }

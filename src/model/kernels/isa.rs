@@ -18,12 +18,16 @@ pub enum Isa {
     Portable,
     /// x86-64 AVX2 with FMA and F16C: `vpmaddubsw` + `vpmaddwd` integer dot products.
     Avx2,
-    /// x86-64 AVX-512 VNNI (with VL): `vpdpbusd` on 256-bit registers.
+    /// x86-64 AVX-VNNI (the VEX-encoded, 256-bit VNNI of Alder Lake, Zen 5 and newer Xeons,
+    /// which may lack AVX-512): `vpdpbusd` on AVX2's registers.
+    AvxVnni,
+    /// x86-64 AVX-512 VNNI (with BW and VL): `vpdpbusd` on 512-bit registers, two blocks
+    /// at a time.
     Avx512Vnni,
 }
 
 /// Every instruction set, lowest first.
-const ALL: [Isa; 3] = [Isa::Portable, Isa::Avx2, Isa::Avx512Vnni];
+const ALL: [Isa; 4] = [Isa::Portable, Isa::Avx2, Isa::AvxVnni, Isa::Avx512Vnni];
 
 impl Isa {
     /// The name `HEADWISE_ISA` takes.
@@ -31,6 +35,7 @@ impl Isa {
         match self {
             Isa::Portable => "portable",
             Isa::Avx2 => "avx2",
+            Isa::AvxVnni => "avxvnni",
             Isa::Avx512Vnni => "avx512vnni",
         }
     }
@@ -46,9 +51,12 @@ impl Isa {
                     && std::arch::is_x86_feature_detected!("f16c")
             }
             #[cfg(target_arch = "x86_64")]
+            Isa::AvxVnni => Isa::Avx2.supported() && std::arch::is_x86_feature_detected!("avxvnni"),
+            #[cfg(target_arch = "x86_64")]
             Isa::Avx512Vnni => {
                 Isa::Avx2.supported()
                     && std::arch::is_x86_feature_detected!("avx512f")
+                    && std::arch::is_x86_feature_detected!("avx512bw")
                     && std::arch::is_x86_feature_detected!("avx512vl")
                     && std::arch::is_x86_feature_detected!("avx512vnni")
             }
@@ -72,7 +80,7 @@ impl Isa {
         let wanted = ALL.into_iter().find(|i| i.name() == cap).ok_or_else(|| {
             Error::invalid(
                 ISA_ENV,
-                format!("`{cap}` (expected portable, avx2 or avx512vnni)"),
+                format!("`{cap}` (expected portable, avx2, avxvnni or avx512vnni)"),
             )
         })?;
         if !wanted.supported() {
