@@ -4,8 +4,9 @@
 //! machine and the command). Each engine measurement runs in a fresh process so that the
 //! peak resident memory belongs to one engine alone.
 //!
-//! A virtual machine's speed drifts by tens of percent within minutes (measured here:
-//! the same kernel at 27-75 GFLOP/s in one hour), so the engine bench runs in rounds:
+//! A virtual machine's speed drifts by tens of percent within minutes (the records
+//! `bench-kernels-avx512` and `bench-kernels-avx512-repeat` of SmolLM2, a minute apart:
+//! one AVX2 pass 37.2 ms, then 14.0 ms), so the engine bench runs in rounds:
 //! every engine at every length once per round, the engines' order rotated from round to
 //! round. A table row is the median over rounds, and a ratio between two engines is the
 //! median of the ratios within each round (the two measured minutes apart, not an hour),
@@ -101,10 +102,22 @@ fn median(values: impl IntoIterator<Item = f64>) -> f64 {
     }
 }
 
-/// Per (engine, prompt length), in the order first measured: one record whose speeds are
-/// the medians over its rounds, whose peak RSS is the largest, and whose decode parts are
-/// each part's median. `round` holds the number of rounds.
-pub fn medians(measured: &[BenchRecord]) -> Vec<BenchRecord> {
+/// One engine at one prompt length over every round it ran in.
+#[derive(Debug, Clone)]
+struct Summary {
+    /// The median speeds, the largest peak RSS and each decode part's median; the other
+    /// fields from the first round.
+    median: BenchRecord,
+    /// Rounds it ran in.
+    rounds: usize,
+    /// Smallest and largest prefill tokens/s.
+    prefill: (f64, f64),
+    /// Smallest and largest decode tokens/s.
+    decode: (f64, f64),
+}
+
+/// Per (engine, prompt length), in the order first measured: its [`Summary`].
+fn summaries(measured: &[BenchRecord]) -> Vec<Summary> {
     let mut keys: Vec<(&str, usize)> = Vec::new();
     for r in measured {
         if !keys.contains(&(r.engine.as_str(), r.prompt_tokens)) {
@@ -117,18 +130,24 @@ pub fn medians(measured: &[BenchRecord]) -> Vec<BenchRecord> {
                 .iter()
                 .filter(|r| r.engine == engine && r.prompt_tokens == n)
                 .collect();
+            let prefill: Vec<f64> = rs.iter().map(|r| r.prefill_tok_s).collect();
+            let decode: Vec<f64> = rs.iter().map(|r| r.decode_tok_s).collect();
             let parts: Vec<DecodeParts> = rs.iter().filter_map(|r| r.decode_parts).collect();
-            BenchRecord {
-                prefill_tok_s: median(rs.iter().map(|r| r.prefill_tok_s)),
-                decode_tok_s: median(rs.iter().map(|r| r.decode_tok_s)),
-                peak_rss_bytes: rs.iter().filter_map(|r| r.peak_rss_bytes).max(),
-                decode_parts: (!parts.is_empty()).then(|| DecodeParts {
-                    weights_s: median(parts.iter().map(|p| p.weights_s)),
-                    lm_head_s: median(parts.iter().map(|p| p.lm_head_s)),
-                    attention_s: median(parts.iter().map(|p| p.attention_s)),
-                }),
-                round: rs.len(),
-                ..rs[0].clone()
+            Summary {
+                median: BenchRecord {
+                    prefill_tok_s: median(prefill.iter().copied()),
+                    decode_tok_s: median(decode.iter().copied()),
+                    peak_rss_bytes: rs.iter().filter_map(|r| r.peak_rss_bytes).max(),
+                    decode_parts: (!parts.is_empty()).then(|| DecodeParts {
+                        weights_s: median(parts.iter().map(|p| p.weights_s)),
+                        lm_head_s: median(parts.iter().map(|p| p.lm_head_s)),
+                        attention_s: median(parts.iter().map(|p| p.attention_s)),
+                    }),
+                    ..rs[0].clone()
+                },
+                rounds: rs.len(),
+                prefill: span(&prefill),
+                decode: span(&decode),
             }
         })
         .collect()
@@ -136,18 +155,18 @@ pub fn medians(measured: &[BenchRecord]) -> Vec<BenchRecord> {
 
 /// The instrumented engine over another engine at one prompt length: one ratio per round
 /// in which both ran (each of the same round's two measurements).
-#[derive(Debug, Clone, PartialEq)]
-pub struct Ratios {
+#[derive(Debug, Clone)]
+struct Ratios {
     /// Prompt tokens.
-    pub prompt_tokens: usize,
+    prompt_tokens: usize,
     /// The other engine.
-    pub engine: String,
+    engine: String,
     /// Prefill tokens/s over the other's, per round.
-    pub prefill: Vec<f64>,
+    prefill: Vec<f64>,
     /// Decode tokens/s over the other's, per round.
-    pub decode: Vec<f64>,
+    decode: Vec<f64>,
     /// Peak RSS over the other's, per round where both are known.
-    pub peak_rss: Vec<f64>,
+    peak_rss: Vec<f64>,
 }
 
 /// The smallest and largest of `values` (infinities if empty).
@@ -169,7 +188,7 @@ fn ratio_text(values: &[f64]) -> String {
 
 /// Per prompt length (ascending) and other engine: the instrumented engine's ratios over
 /// it, paired within rounds.
-pub fn ratios(measured: &[BenchRecord]) -> Vec<Ratios> {
+fn ratios(measured: &[BenchRecord]) -> Vec<Ratios> {
     let mut out: Vec<Ratios> = Vec::new();
     let mut lengths: Vec<usize> = measured.iter().map(|r| r.prompt_tokens).collect();
     lengths.sort_unstable();
@@ -222,18 +241,12 @@ pub fn ratios(measured: &[BenchRecord]) -> Vec<Ratios> {
 /// within rounds); with `bandwidth` (bytes/s) each instrumented row's decode speed as a
 /// share of the bandwidth ceiling.
 pub fn table(measured: &[BenchRecord], bandwidth: Option<f64>) -> String {
-    let records = medians(measured);
-    let range = |r: &BenchRecord, speed: fn(&BenchRecord) -> f64| {
-        let v: Vec<f64> = measured
-            .iter()
-            .filter(|m| m.engine == r.engine && m.prompt_tokens == r.prompt_tokens)
-            .map(speed)
-            .collect();
-        let (lo, hi) = span(&v);
-        if v.len() > 1 {
-            format!("{:.1} ({lo:.0}-{hi:.0})", speed(r))
+    let summaries = summaries(measured);
+    let range = |value: f64, (lo, hi): (f64, f64), rounds: usize| {
+        if rounds > 1 {
+            format!("{value:.1} ({lo:.0}-{hi:.0})")
         } else {
-            format!("{:.1}", speed(r))
+            format!("{value:.1}")
         }
     };
     let mib = |b: Option<u64>| {
@@ -246,7 +259,8 @@ pub fn table(measured: &[BenchRecord], bandwidth: Option<f64>) -> String {
          MiB read per decode step (weights + KV) | decode / bandwidth ceiling |\n\
          | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |\n",
     );
-    for r in &records {
+    for sm in &summaries {
+        let r = &sm.median;
         let step = r.step_bytes.map_or("-".to_string(), |b| {
             format!(
                 "{:.1} + {:.1}",
@@ -262,14 +276,14 @@ pub fn table(measured: &[BenchRecord], bandwidth: Option<f64>) -> String {
             r.engine,
             r.isa.as_deref().unwrap_or("-"),
             r.prompt_tokens,
-            range(r, |m| m.prefill_tok_s),
-            range(r, |m| m.decode_tok_s),
+            range(r.prefill_tok_s, sm.prefill, sm.rounds),
+            range(r.decode_tok_s, sm.decode, sm.rounds),
             mib(r.peak_rss_bytes)
         ));
     }
-    let parts: Vec<(&BenchRecord, DecodeParts)> = records
+    let parts: Vec<(&BenchRecord, DecodeParts)> = summaries
         .iter()
-        .filter_map(|r| r.decode_parts.map(|p| (r, p)))
+        .filter_map(|s| s.median.decode_parts.map(|p| (&s.median, p)))
         .collect();
     if !parts.is_empty() {
         md.push_str(
@@ -296,7 +310,7 @@ pub fn table(measured: &[BenchRecord], bandwidth: Option<f64>) -> String {
             bw / 1e9
         ));
     }
-    let rounds = records.iter().map(|r| r.round).max().unwrap_or(0);
+    let rounds = summaries.iter().map(|s| s.rounds).max().unwrap_or(0);
     if rounds > 1 {
         md.push_str(&format!(
             "\nSpeeds are medians over {rounds} rounds (smallest and largest in brackets); \
@@ -336,9 +350,12 @@ pub fn speed_records(
 ) -> Vec<ResultRecord> {
     let record = recorder("bench", model, None, made);
     let mut out = Vec::new();
-    for r in medians(measured) {
+    for Summary {
+        median: r, rounds, ..
+    } in summaries(measured)
+    {
         let rec = |task: &str, tokens: usize, metric: &str, value: f64| {
-            record(task, Some(tokens), metric, value, r.round)
+            record(task, Some(tokens), metric, value, rounds)
         };
         out.push(rec(
             &r.engine,
@@ -493,12 +510,13 @@ mod tests {
         let mut lone = measured_one("llama.cpp", 512, 100.0);
         lone.round = 3;
         measured.push(lone);
-        let m = medians(&measured);
+        let m = summaries(&measured);
         assert_eq!(m.len(), 2);
-        assert_eq!((m[0].decode_tok_s, m[0].round), (6.0, 3));
-        assert_eq!(m[0].peak_rss_bytes, Some(3 << 20));
+        assert_eq!((m[0].median.decode_tok_s, m[0].rounds), (6.0, 3));
+        assert_eq!(m[0].decode, (4.0, 8.0));
+        assert_eq!(m[0].median.peak_rss_bytes, Some(3 << 20));
         // llama.cpp: median of 2, 3, 4, 100
-        assert_eq!(m[1].decode_tok_s, 3.5);
+        assert_eq!((m[1].median.decode_tok_s, m[1].rounds), (3.5, 4));
         let r = ratios(&measured);
         assert_eq!(r.len(), 1);
         assert_eq!(r[0].decode, vec![2.0, 2.0, 2.0]);
