@@ -1,36 +1,47 @@
 //! headwise: find, predict and use the attention heads that retrieve.
 //!
-//! The foundation is [`model`], an instrumented forward pass over a real GGUF model in
-//! which every attention head can be observed ([`model::Observer`]) and changed
-//! ([`model::Interventions`]), and [`engine`], the reference engines it is checked
-//! against ([`parity`]): mistral.rs for llama models, llama.cpp for Gemma 3.
+//! The crate is layered; a module imports only from the layers below it (checked by
+//! `tests/layering.rs`):
+//!
+//! 1. the foundations: [`error`], [`provenance`], [`results`], [`lock`], [`wait`],
+//!    [`http`], [`metrics`], [`synthetic`];
+//! 2. [`model`]: an instrumented forward pass over a real GGUF model in which every
+//!    attention head can be observed ([`model::Observer`]) and changed
+//!    ([`model::Interventions`]), with its kernels, caches and tokenizer;
+//! 3. [`policy`] (which heads keep their KV memory, from [`policy::ranking`] files or a
+//!    [`probe`]) and [`probe`] inference;
+//! 4. [`rag`] (DRAGIN-style retrieval) and [`serve`] (the OpenAI-compatible server);
+//! 5. [`reference`]: mistral.rs and llama.cpp, and the parity checks against them;
+//! 6. [`lab`]: the experiments (head scoring, traces, tasks and datasets, probe training,
+//!    evaluations, benchmarks), above everything and imported by nothing but the CLI.
 
 // Bad input is an `Err`, never a panic: no `unwrap` or `expect` outside tests (an
 // invariant headwise itself keeps is `Error::Internal`).
 #![deny(clippy::unwrap_used, clippy::expect_used)]
 
-pub mod bench;
-pub mod engine;
 pub mod error;
-pub mod eval;
-pub mod heads;
 pub mod http;
 pub mod lock;
 pub mod metrics;
-pub mod model;
-pub mod parity;
-pub mod perplexity;
-mod plot;
-pub mod policy;
-pub mod probe;
 pub mod provenance;
-pub mod rag;
 pub mod results;
 mod rng;
+pub mod synthetic;
+pub mod wait;
+
+pub mod model;
+
+pub mod policy;
+pub mod probe;
+
+pub mod rag;
 pub mod serve;
-pub mod tasks;
+
+pub mod reference;
+
+pub mod lab;
+
 #[cfg(test)]
 mod test_support;
-pub mod wait;
 
 pub use error::{Error, Result};

@@ -5,10 +5,10 @@
 mod common;
 
 use common::{max_diff, tiny_config, tiny_gemma_config, Weights};
-use headwise::eval::ablation::{AblationMode, Calibration, HeadSet};
 use headwise::model::{
     Interventions, KvCache, Logits, Model, ModelId, NoObserver, Numerics, Recorder, Wants,
 };
+use headwise::policy::ablation::{AblationMode, Calibration, HeadSet};
 use headwise::provenance::Made;
 
 const TOKENS: &[u32] = &[5, 17, 3, 56, 42, 42, 8, 60, 1, 33, 21];

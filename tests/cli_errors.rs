@@ -250,8 +250,8 @@ fn scoring_does_not_overwrite_a_ranking_of_another_model() {
     let out = rankings_dir("foreign");
     let dir = out.join("SmolLM2-135M-Instruct.Q4_1");
     std::fs::create_dir_all(&dir).unwrap();
-    let foreign = headwise::heads::ranking::Ranking::new(
-        headwise::heads::ranking::Provenance {
+    let foreign = headwise::policy::ranking::Ranking::new(
+        headwise::policy::ranking::Provenance {
             model: "other".into(),
             model_sha256: "00".into(),
             method: "wu".into(),
@@ -263,7 +263,7 @@ fn scoring_does_not_overwrite_a_ranking_of_another_model() {
             steps: 0,
             made: headwise::provenance::Made::now("fast"),
         },
-        &headwise::heads::HeadMatrix::zeros(30, 9),
+        &headwise::policy::ranking::HeadMatrix::zeros(30, 9),
         3,
     );
     let path = dir.join("wu-niah.json");
@@ -384,9 +384,10 @@ fn eval_refuses_a_ranking_of_another_model() {
 /// A synthetic trace file of `prompts` prompts x 3 steps for a model with SmolLM2's
 /// shape, recorded as SmolLM2's (its real sha256); `nan` puts a NaN in one feature.
 fn synthetic_trace(tag: &str, prompts: usize, nan: bool) -> PathBuf {
-    use headwise::heads::trace::{
-        Effective, ExampleSteps, LabelKind, Trace, TraceCard, TraceConfig, SCHEMA_VERSION,
+    use headwise::lab::heads::trace::{
+        Effective, ExampleSteps, Trace, TraceCard, TraceConfig, SCHEMA_VERSION,
     };
+    use headwise::probe::LabelKind;
     let id = headwise::model::ModelId::of_file(&common::real_model()).unwrap();
     let (n_layers, n_heads, d) = (30, 9, 576);
     let mut t = Trace::empty(LabelKind::Binary, n_layers, n_heads, d);

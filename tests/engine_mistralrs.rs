@@ -10,7 +10,7 @@ mod common;
 use std::sync::OnceLock;
 use std::time::Instant;
 
-use headwise::engine::mistralrs::MistralRsEngine;
+use headwise::reference::mistralrs::MistralRsEngine;
 
 /// SmolLM2's vocabulary size (GGUF `tokenizer.ggml.tokens`, and the output layer rows).
 const VOCAB: usize = 49152;

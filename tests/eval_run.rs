@@ -6,9 +6,9 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use headwise::eval::report::write_report;
-use headwise::eval::run::{read_all_records, RunOptions, Runner, Shard, BASELINE};
-use headwise::eval::spec::EvalSpec;
+use headwise::lab::eval::report::write_report;
+use headwise::lab::eval::run::{read_all_records, RunOptions, Runner, Shard, BASELINE};
+use headwise::lab::eval::spec::EvalSpec;
 use headwise::model::{LoadedModel, ModelId, Numerics};
 use headwise::provenance::Made;
 

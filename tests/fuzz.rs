@@ -33,8 +33,8 @@ use proptest::prelude::*;
 use proptest::test_runner::{Config as RunnerConfig, TestCaseError, TestRunner};
 use serde_json::{json, Value};
 
-use headwise::heads::ranking::Ranking;
 use headwise::model::gguf::read_header;
+use headwise::policy::ranking::Ranking;
 use headwise::policy::PolicyConfig;
 
 /// No single allocation an input causes may be larger than this.
@@ -707,7 +707,7 @@ fn use_ranking(path: &Path) -> bool {
             let _ = r.top(20);
             let _ = r.to_tsv();
             let _ = r.heatmap_svg();
-            headwise::heads::ranking::jaccard_top_k(&r, &r, 20).is_finite()
+            headwise::policy::ranking::jaccard_top_k(&r, &r, 20).is_finite()
         }
         Err(_) => false,
     }
@@ -854,7 +854,7 @@ fn fuzz_eval_spec(long: u32) {
     let file = dir.join("spec.toml");
     let text = std::fs::read_to_string(committed("eval/ablation-smollm2.toml")).unwrap();
     let doc: Value = serde_json::to_value(toml::from_str::<toml::Value>(&text).unwrap()).unwrap();
-    let load = |p: &Path| headwise::eval::spec::EvalSpec::load(p).is_ok();
+    let load = |p: &Path| headwise::lab::eval::spec::EvalSpec::load(p).is_ok();
     let mut tally = Tally::default();
     replay_files("eval_spec", &mut tally, &load);
     let tally = Mutex::new(tally);

@@ -4,7 +4,7 @@
 mod common;
 
 use common::{tiny_config, Weights};
-use headwise::heads::locos::{head_directions, step_scores};
+use headwise::lab::heads::locos::{head_directions, step_scores};
 use headwise::model::{Interventions, KvCache, Logits, NoObserver, Numerics, Recorder, Wants};
 
 #[test]

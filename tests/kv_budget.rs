@@ -6,7 +6,7 @@ mod common;
 
 use std::path::PathBuf;
 
-use headwise::eval::kv_budget::{run, write_report, BudgetSpec};
+use headwise::lab::eval::kv_budget::{run, write_report, BudgetSpec};
 use headwise::model::{LoadedModel, ModelId, Numerics};
 use headwise::provenance::Made;
 

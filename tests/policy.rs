@@ -9,12 +9,12 @@ use std::path::Path;
 
 use candle_core::Tensor;
 use common::{brute_force_logits, tiny_config, tiny_gemma_config, BruteEdits, Weights};
-use headwise::heads::ranking::{Provenance, Ranking};
-use headwise::heads::HeadMatrix;
 use headwise::model::{
     generate as plain_generate, Config, GenerateOptions, Interventions, Model, ModelId, NoObserver,
     Numerics,
 };
+use headwise::policy::ranking::HeadMatrix;
+use headwise::policy::ranking::{Provenance, Ranking};
 use headwise::policy::{generate, Plan, PolicyConfig, PolicyGeneration, Prefilled};
 use headwise::provenance::Made;
 
@@ -455,8 +455,9 @@ fn bad_policies_fail_when_resolved_not_mid_generation() {
 
 #[test]
 fn a_probe_policy_follows_its_probe_and_ignores_labels() {
-    use headwise::heads::trace::{LabelKind, Trace};
-    use headwise::probe::{train, ProbeConfig, StaticHeads, TrainOptions};
+    use headwise::lab::heads::trace::Trace;
+    use headwise::lab::probe_train::{train, TrainOptions};
+    use headwise::probe::{LabelKind, ProbeConfig, StaticHeads};
     let cfg = tiny_config();
     let model = Weights::random(cfg.clone(), 18).model(Numerics::Fast);
     // a probe trained on noise: head (l, h) active when hidden feature h is positive

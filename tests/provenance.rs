@@ -6,11 +6,11 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use headwise::eval::ablation::Calibration;
-use headwise::eval::kv_budget::BudgetRun;
-use headwise::eval::run::{read_json, RunInfo};
-use headwise::heads::ranking::Ranking;
-use headwise::heads::trace::TraceCard;
+use headwise::lab::eval::kv_budget::BudgetRun;
+use headwise::lab::eval::run::{read_json, RunInfo};
+use headwise::lab::heads::trace::TraceCard;
+use headwise::policy::ablation::Calibration;
+use headwise::policy::ranking::Ranking;
 use headwise::probe::Probe;
 use headwise::results::ResultRecord;
 

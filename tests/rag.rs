@@ -360,7 +360,7 @@ mod dragin_loop {
     #[cfg(feature = "mistralrs")]
     #[test]
     fn the_mistralrs_and_instrumented_loops_trigger_at_the_same_token() {
-        use headwise::engine::mistralrs::MistralRsEngine;
+        use headwise::reference::mistralrs::MistralRsEngine;
         let path = common::real_model();
         let lm = LoadedModel::load(&path, Numerics::Fast).unwrap();
         let engine = MistralRsEngine::load(&path).unwrap();

@@ -5,13 +5,13 @@
 mod common;
 
 use common::real_gemma;
-use headwise::bench::synthetic_notes;
-use headwise::engine::llama_cpp::LlamaCppBins;
 use headwise::model::fetch::{ensure, Fetched, GEMMA3_270M};
 use headwise::model::ggml::Simd;
 use headwise::model::{
     generate, GenerateOptions, Interventions, KvCache, LoadedModel, Logits, NoObserver, Numerics,
 };
+use headwise::reference::llama_cpp::LlamaCppBins;
+use headwise::synthetic::synthetic_notes;
 
 #[test]
 fn fetching_again_only_checks_and_the_gemma_terms_sit_next_to_the_model() {
@@ -108,7 +108,8 @@ fn parity_with_llama_cpp_is_bit_exact() {
         Simd::Avx512 => Simd::Avx2,
     });
     let report =
-        headwise::parity::llama_cpp::run(&mut ours, &bins, &path, &data, &mut |_| {}).unwrap();
+        headwise::reference::parity::llama_cpp::run(&mut ours, &bins, &path, &data, &mut |_| {})
+            .unwrap();
     assert_eq!(report.simd, build);
     // llama-perplexity prints four decimals.
     assert!(

@@ -5,9 +5,9 @@
 mod common;
 
 use common::real_model;
-use headwise::heads::run::{LocosSteps, Scorer, TrialOutcome};
+use headwise::lab::heads::run::{LocosSteps, Scorer, TrialOutcome};
+use headwise::lab::tasks::{generate, Encoder, Haystack, TaskKind, TaskSpec};
 use headwise::model::{LoadedModel, ModelId, Numerics};
-use headwise::tasks::{generate, Encoder, Haystack, TaskKind, TaskSpec};
 
 fn spec() -> TaskSpec {
     TaskSpec {
@@ -114,7 +114,7 @@ fn an_interrupted_run_resumes_without_redoing_finished_trials() {
     let err = String::from_utf8_lossy(&run.stderr);
     assert!(run.status.success(), "{err}");
     assert!(err.contains("resuming: 1 trials already done"), "{err}");
-    let ranking = headwise::heads::ranking::Ranking::load(&dir.join("wu-niah.json")).unwrap();
+    let ranking = headwise::policy::ranking::Ranking::load(&dir.join("wu-niah.json")).unwrap();
     assert_eq!(ranking.provenance.trials_run, 2);
     assert!(!partial.exists());
     std::fs::remove_dir_all(&out).unwrap();

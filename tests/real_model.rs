@@ -50,8 +50,8 @@ fn capital_of_france_is_paris_in_both_numerics() {
 #[cfg(feature = "mistralrs")]
 mod against_mistralrs {
     use super::*;
-    use headwise::engine::mistralrs::MistralRsEngine;
-    use headwise::parity;
+    use headwise::reference::mistralrs::MistralRsEngine;
+    use headwise::reference::parity;
 
     #[test]
     fn mistralrs_also_says_paris() {

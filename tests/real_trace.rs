@@ -4,10 +4,11 @@
 
 mod common;
 
-use headwise::eval::Example;
-use headwise::heads::trace::{record, Effective, LabelKind, TraceConfig};
+use headwise::lab::eval::Example;
+use headwise::lab::heads::trace::{record, Effective, TraceConfig};
+use headwise::lab::tasks::{self, Encoder, Haystack, TaskKind, TaskSpec};
 use headwise::model::{Interventions, LoadedModel, Numerics};
-use headwise::tasks::{self, Encoder, Haystack, TaskKind, TaskSpec};
+use headwise::probe::LabelKind;
 
 #[test]
 fn niah_steps_that_copy_the_needle_have_active_heads() {

@@ -287,8 +287,8 @@ fn chat_template_from_gguf_renders_chatml() {
 #[cfg(feature = "mistralrs")]
 #[test]
 fn mistralrs_tokenization_matches_except_documented_rule_differences() {
-    use headwise::engine::mistralrs::MistralRsEngine;
     use headwise::model::tokenizer::MISTRALRS_DIFFERS;
+    use headwise::reference::mistralrs::MistralRsEngine;
 
     let path = common::real_model();
     let (_, tok, _) = load();

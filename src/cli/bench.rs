@@ -6,8 +6,8 @@ use std::path::PathBuf;
 use std::process::Command;
 
 use clap::Args;
-use headwise::bench::{
-    peak_rss_bytes, speed_records, synthetic_notes, table, write_report, BenchRecord, StepBytes,
+use headwise::lab::bench::{
+    peak_rss_bytes, speed_records, table, write_report, BenchRecord, StepBytes,
 };
 use headwise::model::kernels::Isa;
 use headwise::model::{
@@ -16,6 +16,7 @@ use headwise::model::{
 };
 use headwise::provenance::Made;
 use headwise::results::{recorder, ResultRecord};
+use headwise::synthetic::synthetic_notes;
 use headwise::wait;
 
 use super::ModelArgs;
@@ -123,7 +124,7 @@ pub fn run(args: BenchArgs) -> anyhow::Result<()> {
     let numerics = args.model.numerics_or(Numerics::Fast);
     let exe = std::env::current_exe()?;
     eprintln!("measuring the read bandwidth ...");
-    let bandwidth = headwise::bench::read_bandwidth();
+    let bandwidth = headwise::lab::bench::read_bandwidth();
     let mut engines = args.engines.clone();
     if args.llama_bench.is_some() {
         engines.push(LLAMA_CPP.into());
@@ -415,7 +416,7 @@ pub fn worker(args: WorkerArgs) -> anyhow::Result<()> {
         }
         #[cfg(feature = "mistralrs")]
         "mistralrs" => {
-            let engine = headwise::engine::mistralrs::MistralRsEngine::load(&path)?;
+            let engine = headwise::reference::mistralrs::MistralRsEngine::load(&path)?;
             let ids = prompt_ids(&|t| Ok(engine.tokenize(t, true)?), args.prompt_tokens)?;
             engine.generate_timed(&ids[..16.min(ids.len())], 2)?;
             let (tokens, stats) = engine.generate_timed(&ids, args.decode_tokens)?;
@@ -548,9 +549,9 @@ fn kernels(args: &BenchArgs) -> anyhow::Result<()> {
 /// greedy generation, Wu and LOCOS) against the same prefill and the same decode steps
 /// unobserved, medians of three runs each, in this process.
 fn scoring(args: &BenchArgs) -> anyhow::Result<()> {
-    use headwise::heads::run::Scorer;
+    use headwise::lab::heads::run::Scorer;
+    use headwise::lab::tasks::{self, Haystack, TaskKind, TaskSpec};
     use headwise::model::{KvCache, Logits};
-    use headwise::tasks::{self, Haystack, TaskKind, TaskSpec};
     let path = args.model.resolve()?;
     let numerics = args.model.numerics_or(Numerics::Fast);
     let lm = LoadedModel::load(&path, numerics)?;
@@ -641,7 +642,7 @@ fn probe(args: &BenchArgs) -> anyhow::Result<()> {
     let cfg = lm.model.config();
     probe.check_model(cfg.d_model, cfg.n_layers * cfg.n_heads, Some(&id.sha256))?;
     let n = args.prompt_tokens.first().copied().unwrap_or(512);
-    let prompt = lm.encode(&headwise::bench::synthetic_notes(n, None), false)?;
+    let prompt = lm.encode(&headwise::synthetic::synthetic_notes(n, None), false)?;
     let prompt = &prompt[..n.min(prompt.len())];
     let none = Interventions::new();
     let steps = args.decode_tokens.max(8);
@@ -729,7 +730,7 @@ fn probe(args: &BenchArgs) -> anyhow::Result<()> {
 
 /// `bench serve`: the server in this process, clients over loopback.
 fn serve(args: &BenchArgs) -> anyhow::Result<()> {
-    use headwise::serve::bench::{self, BenchOptions};
+    use headwise::lab::serve_bench::{self as bench, BenchOptions};
     use headwise::serve::{load_engine, ServeConfig};
     use std::collections::BTreeMap;
     if args.concurrency.contains(&0) || args.requests == 0 {

@@ -5,18 +5,19 @@
 use std::path::{Path, PathBuf};
 
 use clap::Args;
-use headwise::eval::ablation::AblationMode;
-use headwise::eval::Example;
-use headwise::heads::cca::{cca_by_lag, cca_svg, CcaConfig};
-use headwise::heads::dynamic_ablation::{ablate_example, Compensation, Variant};
-use headwise::heads::dynamics::{dynamics, long_tail_svg, ActiveRule};
-use headwise::heads::ranking::Ranking;
-use headwise::heads::trace::{Effective, LabelKind, Trace, TraceConfig};
+use headwise::lab::eval::Example;
+use headwise::lab::heads::cca::{cca_by_lag, cca_svg, CcaConfig};
+use headwise::lab::heads::dynamic_ablation::{ablate_example, Compensation, Variant};
+use headwise::lab::heads::dynamics::{dynamics, long_tail_svg, ActiveRule};
+use headwise::lab::heads::trace::{Effective, Trace, TraceConfig};
+use headwise::lab::tasks::{self, Encoder, Haystack, TaskKind, TaskSpec};
 use headwise::metrics::contains_answer;
 use headwise::model::{LoadedModel, ModelId, Numerics};
+use headwise::policy::ablation::AblationMode;
+use headwise::policy::ranking::Ranking;
+use headwise::probe::LabelKind;
 use headwise::provenance::Made;
 use headwise::results::write_atomic;
-use headwise::tasks::{self, Encoder, Haystack, TaskKind, TaskSpec};
 
 #[derive(Args, Debug)]
 pub struct DynamicsArgs {
@@ -150,7 +151,8 @@ pub struct DynamicAblationArgs {
     #[arg(long, default_value_t = 20)]
     k: usize,
     /// How silenced heads are silenced.
-    #[arg(long, value_enum, default_value_t = AblationMode::UniformAttention)]
+    #[arg(long, default_value = "uniform-attention",
+          value_parser = super::named(&AblationMode::ALL, AblationMode::name))]
     mode: AblationMode,
     /// NIAH haystack lengths in tokens.
     #[arg(long, value_delimiter = ',', default_value = "256,512,1024")]

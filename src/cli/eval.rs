@@ -4,10 +4,10 @@
 use std::path::PathBuf;
 
 use clap::{Args, Subcommand};
-use headwise::eval::kv_budget::{self, BudgetSpec};
-use headwise::eval::report::write_report;
-use headwise::eval::run::{RunOptions, Runner, Shard};
-use headwise::eval::spec::EvalSpec;
+use headwise::lab::eval::kv_budget::{self, BudgetSpec};
+use headwise::lab::eval::report::write_report;
+use headwise::lab::eval::run::{RunOptions, Runner, Shard};
+use headwise::lab::eval::spec::EvalSpec;
 use headwise::lock::OutputLock;
 use headwise::model::{LoadedModel, ModelId, Numerics};
 use headwise::provenance::Made;
@@ -161,7 +161,7 @@ pub fn run(cmd: EvalCommand) -> anyhow::Result<()> {
 }
 
 fn rag(args: SweepArgs, report_only: bool) -> anyhow::Result<()> {
-    use headwise::rag::eval::{self as rag_eval, RagSpec};
+    use headwise::lab::rag_eval::{self as rag_eval, RagSpec};
     let SweepArgs {
         spec,
         limit,

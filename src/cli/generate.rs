@@ -211,7 +211,7 @@ fn instrumented(
 
 #[cfg(feature = "mistralrs")]
 fn reference(args: &GenerateArgs, prompt: &str, path: &std::path::Path) -> anyhow::Result<()> {
-    use headwise::engine::mistralrs::MistralRsEngine;
+    use headwise::reference::mistralrs::MistralRsEngine;
     let engine = MistralRsEngine::load(path)?;
     let mut stdout = std::io::stdout().lock();
     let mut print = |piece: &str| {

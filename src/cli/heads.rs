@@ -5,13 +5,13 @@ use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
 
 use clap::{Subcommand, ValueEnum};
-use headwise::heads::ranking::{
+use headwise::lab::heads::run::{aggregate, LocosSteps, Scorer, TrialOutcome};
+use headwise::lab::tasks::{self, Haystack, TaskKind, TaskSpec};
+use headwise::model::{LoadedModel, ModelId, Numerics};
+use headwise::policy::ranking::{
     check_comparable, jaccard_top_k, spearman, Acceptance, Provenance, Ranking,
 };
-use headwise::heads::run::{aggregate, LocosSteps, Scorer, TrialOutcome};
-use headwise::model::{LoadedModel, ModelId, Numerics};
 use headwise::provenance::Made;
-use headwise::tasks::{self, Haystack, TaskKind, TaskSpec};
 
 use super::ModelArgs;
 

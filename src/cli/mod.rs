@@ -14,6 +14,7 @@ mod trace;
 
 use std::path::{Path, PathBuf};
 
+use clap::builder::TypedValueParser;
 use clap::{Args, Parser, Subcommand};
 use headwise::model::fetch::{self, DEFAULT_MODELS_DIR, SMOLLM2};
 use headwise::model::Numerics;
@@ -127,6 +128,20 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Bench(args) => bench::run(args),
         Command::BenchWorker(args) => bench::worker(args),
     }
+}
+
+/// A value parser for a library enum (the library does not depend on clap): the command
+/// line takes `name(v)` for each `v` in `all`, and `--help` lists them.
+pub fn named<T: Copy + Send + Sync + 'static>(
+    all: &'static [T],
+    name: fn(T) -> &'static str,
+) -> impl TypedValueParser<Value = T> {
+    clap::builder::PossibleValuesParser::new(all.iter().map(|&v| name(v))).try_map(move |s| {
+        all.iter()
+            .copied()
+            .find(|&v| name(v) == s)
+            .ok_or_else(|| format!("unknown value {s}"))
+    })
 }
 
 /// Read a text file, rejecting invalid UTF-8 with the byte offset.

@@ -4,15 +4,17 @@
 use std::path::{Path, PathBuf};
 
 use clap::{Args, ValueEnum};
-use headwise::engine::llama_cpp::LlamaCppBins;
-#[cfg(feature = "mistralrs")]
-use headwise::engine::mistralrs::MistralRsEngine;
 use headwise::model::{Architecture, Config, GgufFile, LoadedModel, ModelId, Numerics};
-use headwise::parity::llama_cpp::{self, GreedyParity, LlamaCppReport, PPL_CHUNKS, PPL_CTX};
-#[cfg(feature = "mistralrs")]
-use headwise::parity::{self, ParityReport, PromptParity};
-use headwise::parity::{Divergence, GREEDY_TOKENS};
 use headwise::provenance::{machine, Made};
+use headwise::reference::llama_cpp::LlamaCppBins;
+#[cfg(feature = "mistralrs")]
+use headwise::reference::mistralrs::MistralRsEngine;
+use headwise::reference::parity::llama_cpp::{
+    self, GreedyParity, LlamaCppReport, PPL_CHUNKS, PPL_CTX,
+};
+#[cfg(feature = "mistralrs")]
+use headwise::reference::parity::{self, ParityReport, PromptParity};
+use headwise::reference::parity::{Divergence, GREEDY_TOKENS};
 use headwise::results::{recorder, write_experiment, ResultRecord};
 
 use super::ModelArgs;

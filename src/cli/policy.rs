@@ -4,8 +4,9 @@
 use std::path::PathBuf;
 
 use clap::{Args, Subcommand};
-use headwise::heads::trace::Trace;
-use headwise::probe::{train, Metrics, TrainOptions};
+use headwise::lab::heads::trace::Trace;
+use headwise::lab::probe_train::{train, TrainOptions};
+use headwise::probe::Metrics;
 use headwise::provenance::Made;
 
 #[derive(Subcommand, Debug)]

@@ -29,7 +29,8 @@ pub struct IndexArgs {
     /// The corpus file.
     corpus: PathBuf,
     /// What the file is.
-    #[arg(long, value_enum, default_value = "jsonl")]
+    #[arg(long, default_value = "jsonl",
+          value_parser = super::named(&CorpusFormat::ALL, CorpusFormat::name))]
     format: CorpusFormat,
     /// The index folder to create (must not exist or be empty).
     #[arg(long)]

@@ -3,14 +3,15 @@
 use std::path::PathBuf;
 
 use clap::{Args, ValueEnum};
-use headwise::eval::datasets::hotpotqa;
-use headwise::eval::Example;
-use headwise::heads::trace::{
-    record, Effective, LabelKind, Trace, TraceCard, TraceConfig, SCHEMA_VERSION,
+use headwise::lab::eval::datasets::hotpotqa;
+use headwise::lab::eval::Example;
+use headwise::lab::heads::trace::{
+    record, Effective, Trace, TraceCard, TraceConfig, SCHEMA_VERSION,
 };
+use headwise::lab::tasks::{self, Encoder, Haystack, TaskKind, TaskSpec};
 use headwise::model::{Interventions, LoadedModel, ModelId, Numerics};
+use headwise::probe::LabelKind;
 use headwise::provenance::Made;
-use headwise::tasks::{self, Encoder, Haystack, TaskKind, TaskSpec};
 
 use super::ModelArgs;
 

@@ -24,8 +24,8 @@ use figment::providers::{Env, Format, Serialized, Toml};
 use figment::Figment;
 use serde::{Deserialize, Serialize};
 
-use crate::eval::ablation::AblationMode;
 use crate::model::ColdFormat;
+use crate::policy::ablation::AblationMode;
 use crate::{Error, Result};
 
 /// Default attention-sink positions a streaming head keeps.

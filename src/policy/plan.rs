@@ -4,10 +4,10 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::eval::ablation::{Calibration, HeadSet};
-use crate::heads::ranking::Ranking;
 use crate::model::{Config, Interventions, ModelId, Retention, TopK};
+use crate::policy::ablation::{Calibration, HeadSet};
 use crate::policy::config::{Gqa, HeadChoice, PolicyConfig, Prefill, Selection};
+use crate::policy::ranking::Ranking;
 use crate::probe::Probe;
 use crate::rng::SplitMix64;
 use crate::{Error, Result};

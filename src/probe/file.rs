@@ -15,12 +15,9 @@ use candle_core::{Device, Tensor};
 use serde::{Deserialize, Serialize};
 use sha2::Digest;
 
-use super::baselines::{BaselineConfig, BaselineSummary};
-use super::metrics::Evaluation;
+use super::card::{BaselineConfig, BaselineSummary, EpochLog, Evaluation, LabelKind, ProbeConfig};
 use super::mlp::{Activation, Dense, Mlp};
-use super::train::{EpochLog, ProbeConfig};
 use super::Probe;
-use crate::heads::trace::LabelKind;
 use crate::provenance::Made;
 use crate::results::write_atomic;
 use crate::{Error, Result};

@@ -85,7 +85,6 @@ pub fn pool<'a>(paragraphs: impl IntoIterator<Item = (&'a str, &'a str)>) -> Vec
 /// Which kind of file a corpus is read from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
-#[derive(clap::ValueEnum)]
 pub enum CorpusFormat {
     /// Rows `{"id", "title", "text"}`.
     Jsonl,
@@ -93,6 +92,24 @@ pub enum CorpusFormat {
     Hotpotqa,
     /// The paragraph pool of a MuSiQue file (`paragraphs` of every row).
     Musique,
+}
+
+impl CorpusFormat {
+    /// Every format.
+    pub const ALL: [CorpusFormat; 3] = [
+        CorpusFormat::Jsonl,
+        CorpusFormat::Hotpotqa,
+        CorpusFormat::Musique,
+    ];
+
+    /// The format's name, as its serde form: `jsonl`, `hotpotqa`, `musique`.
+    pub fn name(self) -> &'static str {
+        match self {
+            CorpusFormat::Jsonl => "jsonl",
+            CorpusFormat::Hotpotqa => "hotpotqa",
+            CorpusFormat::Musique => "musique",
+        }
+    }
 }
 
 /// Read the passages of `path` in `format`.

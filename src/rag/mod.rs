@@ -8,7 +8,6 @@
 pub mod bm25;
 pub mod corpus;
 pub mod dragin;
-pub mod eval;
 pub mod http;
 pub mod qa;
 pub mod retriever;

@@ -1,0 +1,218 @@
+//! The crate's layers (see `src/lib.rs`): every `crate::` path in a library file points
+//! to its own layer or one below it, the top-level modules import each other without
+//! circles, and the dependencies that belong to one layer stay there (`mistralrs-core`
+//! in `reference`, `clap` in the command line).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+/// The layers from the bottom; a module may import its own layer and those below.
+const LAYERS: &[&[&str]] = &[
+    &[
+        "error",
+        "rng",
+        "wait",
+        "http",
+        "provenance",
+        "lock",
+        "metrics",
+        "synthetic",
+    ],
+    &["model", "results", "test_support"],
+    &["policy", "probe"],
+    &["rag", "serve"],
+    &["reference"],
+    &["lab"],
+];
+
+fn rank(module: &str) -> Option<usize> {
+    LAYERS.iter().position(|layer| layer.contains(&module))
+}
+
+fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            rust_files(&path, out);
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            out.push(path);
+        }
+    }
+}
+
+/// The library's files (not the command line's) with their top-level module.
+fn library_files() -> Vec<(String, PathBuf)> {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = Vec::new();
+    rust_files(&src, &mut files);
+    files.sort();
+    files
+        .into_iter()
+        .filter_map(|path| {
+            let rel = path.strip_prefix(&src).unwrap();
+            let first = rel.components().next()?.as_os_str().to_str()?.to_string();
+            let module = first.trim_end_matches(".rs").to_string();
+            (!matches!(module.as_str(), "lib" | "main" | "cli")).then_some((module, path))
+        })
+        .collect()
+}
+
+/// The code of a file: line comments (and so doc comments) removed.
+fn code(path: &Path) -> String {
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .map(|line| match line.find("//") {
+            // "//" inside a string literal (a URL) keeps the line whole.
+            Some(i) if line[..i].matches('"').count() % 2 == 0 => &line[..i],
+            _ => line,
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// The identifier at the start of `s`.
+fn ident(s: &str) -> String {
+    s.trim_start()
+        .chars()
+        .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+        .collect()
+}
+
+/// The items of a `{...}` group at the start of `s`, split at its top-level commas.
+fn group_items(s: &str) -> Vec<&str> {
+    let (mut depth, mut start, mut items) = (0, 1, Vec::new());
+    for (i, c) in s.char_indices() {
+        match c {
+            '{' => depth += 1,
+            '}' | ',' if depth == 1 => {
+                items.push(&s[start..i]);
+                start = i + 1;
+                if c == '}' {
+                    break;
+                }
+            }
+            '}' => depth -= 1,
+            _ => {}
+        }
+    }
+    items
+}
+
+/// The top-level modules a file names through `crate::` (in `use crate::{a::X, b}`
+/// groups too).
+fn imported_modules(code: &str) -> BTreeSet<String> {
+    let mut names = Vec::new();
+    for (i, _) in code.match_indices("crate::") {
+        let rest = &code[i + "crate::".len()..];
+        if rest.starts_with('{') {
+            names.extend(group_items(rest).into_iter().map(ident));
+        } else {
+            names.push(ident(rest));
+        }
+    }
+    names
+        .into_iter()
+        .filter(|n| !n.is_empty())
+        // `crate::Error` and `crate::Result` are the root's re-exports from `error`.
+        .map(|n| match n.as_str() {
+            "Error" | "Result" => "error".to_string(),
+            _ => n,
+        })
+        .collect()
+}
+
+#[test]
+fn no_module_imports_a_layer_above_its_own() {
+    let mut upward = Vec::new();
+    for (module, path) in library_files() {
+        let own = rank(&module)
+            .unwrap_or_else(|| panic!("{}: module `{module}` has no layer", path.display()));
+        for target in imported_modules(&code(&path)) {
+            let theirs = rank(&target).unwrap_or_else(|| {
+                panic!(
+                    "{}: `crate::{target}` is not a layered module",
+                    path.display()
+                )
+            });
+            if theirs > own {
+                upward.push(format!("{} imports crate::{target}", path.display()));
+            }
+        }
+    }
+    assert!(
+        upward.is_empty(),
+        "imports up the layers:\n{}",
+        upward.join("\n")
+    );
+}
+
+#[test]
+fn top_level_modules_import_each_other_without_circles() {
+    let mut edges: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for (module, path) in library_files() {
+        let targets = imported_modules(&code(&path));
+        let entry = edges.entry(module.clone()).or_default();
+        entry.extend(targets.into_iter().filter(|t| *t != module));
+    }
+    // Depth-first search; a module met again while still on the path closes a circle.
+    fn visit(
+        m: &str,
+        edges: &BTreeMap<String, BTreeSet<String>>,
+        path: &mut Vec<String>,
+        done: &mut BTreeSet<String>,
+    ) {
+        if let Some(at) = path.iter().position(|p| p == m) {
+            panic!("module circle: {} -> {m}", path[at..].join(" -> "));
+        }
+        if done.contains(m) {
+            return;
+        }
+        path.push(m.to_string());
+        for next in edges.get(m).into_iter().flatten() {
+            visit(next, edges, path, done);
+        }
+        path.pop();
+        done.insert(m.to_string());
+    }
+    let mut done = BTreeSet::new();
+    for m in edges.keys() {
+        visit(m, &edges, &mut Vec::new(), &mut done);
+    }
+}
+
+#[test]
+fn layer_bound_dependencies_stay_in_their_layer() {
+    for (module, path) in library_files() {
+        let code = code(&path);
+        if code.contains("mistralrs_core") {
+            assert_eq!(
+                module,
+                "reference",
+                "{}: only `reference` uses mistralrs-core",
+                path.display()
+            );
+        }
+        assert!(
+            !code.contains("clap::"),
+            "{}: clap types belong to the command line (src/cli)",
+            path.display()
+        );
+    }
+}
+
+#[test]
+fn the_layer_table_names_every_module_of_the_crate_root() {
+    let lib =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("src/lib.rs")).unwrap();
+    let declared: BTreeSet<&str> = lib
+        .lines()
+        .filter_map(|l| {
+            let l = l.trim();
+            let l = l.strip_prefix("pub ").unwrap_or(l);
+            l.strip_prefix("mod ")?.strip_suffix(';')
+        })
+        .collect();
+    let layered: BTreeSet<&str> = LAYERS.iter().flat_map(|l| l.iter().copied()).collect();
+    assert_eq!(declared, layered);
+}
