@@ -1,7 +1,8 @@
-//! The crate's layers (see `src/lib.rs`): every `crate::` path in a library file points
-//! to its own layer or one below it, the top-level modules import each other without
-//! circles, and the dependencies that belong to one layer stay there (`mistralrs-core`
-//! in `reference`, `clap` in the command line).
+//! The crate's structure (see `src/lib.rs`): every `crate::` path in a library file
+//! points to its own layer or one below it, the top-level modules import each other
+//! without circles, the dependencies that belong to one layer stay there
+//! (`mistralrs-core` in `reference`, `clap` in the command line), and only
+//! `model::Session` runs the model's forward pass.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -215,4 +216,55 @@ fn the_layer_table_names_every_module_of_the_crate_root() {
         .collect();
     let layered: BTreeSet<&str> = LAYERS.iter().flat_map(|l| l.iter().copied()).collect();
     assert_eq!(declared, layered);
+}
+
+/// The calls of `method(` in `code` that pass a `Logits::` argument (the model's forward
+/// pass; `Linear::forward` and candle's modules take none).
+fn model_calls<'a>(code: &'a str, method: &str) -> Vec<&'a str> {
+    let mut calls = Vec::new();
+    for (i, _) in code.match_indices(method) {
+        let mut depth = 0;
+        for (j, c) in code[i..].char_indices() {
+            match c {
+                '(' => depth += 1,
+                ')' => {
+                    depth -= 1;
+                    if depth == 0 {
+                        let call = &code[i..i + j + 1];
+                        if call.contains("Logits::") {
+                            calls.push(call);
+                        }
+                        break;
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+    calls
+}
+
+#[test]
+fn only_the_session_runs_the_forward_pass() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = Vec::new();
+    rust_files(&src, &mut files);
+    let allowed = [
+        src.join("model/session.rs"),
+        src.join("model/transformer.rs"),
+    ];
+    let mut outside = Vec::new();
+    for path in files.iter().filter(|p| !allowed.contains(p)) {
+        let code = code(path);
+        for method in [".forward(", ".forward_heads("] {
+            for call in model_calls(&code, method) {
+                outside.push(format!("{}: {call}", path.display()));
+            }
+        }
+    }
+    assert!(
+        outside.is_empty(),
+        "forward passes outside model::Session:\n{}",
+        outside.join("\n")
+    );
 }

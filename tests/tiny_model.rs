@@ -328,3 +328,30 @@ fn truncating_the_cache_and_continuing_equals_a_fresh_run() {
     let want: Vec<Vec<f32>> = vec![fresh.get(6).unwrap().to_vec1().unwrap()];
     assert!(max_diff(&again, &want) < 1e-5);
 }
+
+#[test]
+fn a_session_steps_token_by_token_to_the_brute_force_logits() {
+    use headwise::model::Session;
+    let w = Weights::random(tiny_config(), 9);
+    let want = brute_force_logits(&w, TOKENS, &no_edits());
+    for numerics in [Numerics::Fast, Numerics::Reference, Numerics::Ggml] {
+        let model = w.model(numerics);
+        let mut session = Session::new(&model, TOKENS.len());
+        let (prompt, rest) = TOKENS.split_at(4);
+        let mut rows = vec![session
+            .prefill(prompt, &mut NoObserver, &Interventions::new())
+            .unwrap()];
+        assert_eq!(session.position(), 4);
+        for &t in rest {
+            rows.push(
+                session
+                    .step(t, &mut NoObserver, &Interventions::new())
+                    .unwrap(),
+            );
+        }
+        assert_eq!(session.position(), TOKENS.len());
+        let got = candle_core::Tensor::cat(&rows, 0).unwrap();
+        let d = max_diff(&got, &want[3..]);
+        assert!(d < 1e-4, "{numerics:?}: max |diff| {d}");
+    }
+}

@@ -551,7 +551,7 @@ fn kernels(args: &BenchArgs) -> anyhow::Result<()> {
 fn scoring(args: &BenchArgs) -> anyhow::Result<()> {
     use headwise::lab::heads::run::Scorer;
     use headwise::lab::tasks::{self, Haystack, TaskKind, TaskSpec};
-    use headwise::model::{KvCache, Logits};
+    use headwise::model::Session;
     let path = args.model.resolve()?;
     let numerics = args.model.numerics_or(Numerics::Fast);
     let lm = LoadedModel::load(&path, numerics)?;
@@ -573,17 +573,10 @@ fn scoring(args: &BenchArgs) -> anyhow::Result<()> {
     let steps = outcome.tokens;
     let none = Interventions::new();
     let plain = median_secs(3, || {
-        let mut cache = KvCache::new(lm.model.config(), trial.prompt.len() + max_new);
-        lm.model.forward(
-            &trial.prompt,
-            &mut cache,
-            Logits::Last,
-            &mut NoObserver,
-            &none,
-        )?;
+        let mut session = Session::new(&lm.model, trial.prompt.len() + max_new);
+        session.prefill(&trial.prompt, &mut NoObserver, &none)?;
         for &t in &steps {
-            lm.model
-                .forward(&[t], &mut cache, Logits::Last, &mut NoObserver, &none)?;
+            session.step(t, &mut NoObserver, &none)?;
         }
         Ok(())
     })?;
@@ -628,7 +621,7 @@ fn scoring(args: &BenchArgs) -> anyhow::Result<()> {
 /// state of each step) against the median decode step of the model after a prompt of
 /// `--prompt-tokens` (first value) synthetic tokens, in this process.
 fn probe(args: &BenchArgs) -> anyhow::Result<()> {
-    use headwise::model::{KvCache, Logits, Recorder, Wants};
+    use headwise::model::{Recorder, Session, Wants};
     use headwise::probe::Probe;
     let card = args
         .probe
@@ -646,9 +639,8 @@ fn probe(args: &BenchArgs) -> anyhow::Result<()> {
     let prompt = &prompt[..n.min(prompt.len())];
     let none = Interventions::new();
     let steps = args.decode_tokens.max(8);
-    let mut cache = KvCache::new(cfg, prompt.len() + steps + 1);
-    lm.model
-        .forward(prompt, &mut cache, Logits::Last, &mut NoObserver, &none)?;
+    let mut session = Session::new(&lm.model, prompt.len() + steps + 1);
+    session.prefill(prompt, &mut NoObserver, &none)?;
     let mut step_secs = Vec::with_capacity(steps);
     let mut probe_secs = Vec::with_capacity(steps);
     let mut ws = probe.workspace();
@@ -660,9 +652,7 @@ fn probe(args: &BenchArgs) -> anyhow::Result<()> {
             ..Wants::default()
         });
         let t0 = std::time::Instant::now();
-        let logits = lm
-            .model
-            .forward(&[token], &mut cache, Logits::Last, &mut rec, &none)?;
+        let logits = session.step(token, &mut rec, &none)?;
         step_secs.push(t0.elapsed().as_secs_f64());
         token = headwise::model::argmax(&logits)?;
         let hidden: Vec<f32> = rec.steps[0]

@@ -1,6 +1,7 @@
 //! Subcommands, one file each; shared flags and model resolution here.
 
 mod bench;
+mod demo;
 mod dynamics;
 mod eval;
 mod generate;
@@ -29,6 +30,10 @@ pub struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
+    /// The main job on built-in defaults: one question about a fact in a long document,
+    /// answered under the full cache and under a retrieval-head policy, with the KV
+    /// memory each held.
+    Demo(demo::DemoArgs),
     /// Get and inspect models.
     #[command(subcommand)]
     Model(model::ModelCommand),
@@ -123,6 +128,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Heads(cmd) => heads::run(cmd),
         Command::Eval(cmd) => eval::run(cmd),
         Command::Policy(cmd) => policy::run(cmd),
+        Command::Demo(args) => demo::run(args),
         Command::Retriever(cmd) => retriever::run(cmd),
         Command::Serve(args) => serve::run(args),
         Command::Bench(args) => bench::run(args),

@@ -11,7 +11,7 @@ use std::time::Instant;
 use candle_core::Tensor;
 use rand::{Rng, SeedableRng};
 
-use crate::model::{argmax, Interventions, KvCache, Logits, Model, NoObserver, Observer};
+use crate::model::{argmax, Interventions, Model, NoObserver, Observer, Session};
 use crate::{Error, Result};
 
 /// How the next token is chosen.
@@ -197,7 +197,7 @@ pub fn generate(
     let cfg = model.config();
     opts.check(prompt.len(), cfg.context_length)?;
     let mut sampler = Sampler::new(opts.sampling)?;
-    let mut cache = KvCache::new(cfg, prompt.len() + opts.max_new);
+    let mut session = Session::new(model, prompt.len() + opts.max_new);
     let t0 = Instant::now();
     // With an observer the prompt's last token runs as its own step, so that every
     // observed step produces exactly one generated token. Without one the prompt is
@@ -205,12 +205,12 @@ pub fn generate(
     let split = if observer.wants().none() { 0 } else { 1 };
     let (head, last) = prompt.split_at(prompt.len() - split);
     let mut logits = if last.is_empty() {
-        model.forward(head, &mut cache, Logits::Last, observer, edits)?
+        session.prefill(head, observer, edits)?
     } else {
         if !head.is_empty() {
-            model.forward(head, &mut cache, Logits::Last, &mut NoObserver, edits)?;
+            session.prefill(head, &mut NoObserver, edits)?;
         }
-        model.forward(last, &mut cache, Logits::Last, observer, edits)?
+        session.prefill(last, observer, edits)?
     };
     let mut tokens = Vec::with_capacity(opts.max_new);
     let mut prefill_secs = 0.0;
@@ -231,7 +231,7 @@ pub fn generate(
         if tokens.len() == opts.max_new {
             break StopReason::Length;
         }
-        logits = model.forward(&[next], &mut cache, Logits::Last, observer, edits)?;
+        logits = session.step(next, observer, edits)?;
     };
     Ok(Generation {
         tokens,

@@ -1,7 +1,7 @@
 //! Intervention: what a caller can change inside a forward pass, per (layer, query head).
 //!
 //! * the head's output before `W_O` (zeroed, or replaced by a given vector: the zero- and
-//!   mean-ablations of PAPERS.md section 6);
+//!   mean-ablations of `docs/methods.md`, "Ablation modes");
 //! * the head's query (replaced by a given vector before RoPE, or zeroed after it so that
 //!   attention is uniform over the visible keys: the mean-query and uniform-attention
 //!   ablations);

@@ -19,6 +19,7 @@ pub mod linear;
 pub mod loaded;
 pub mod observe;
 pub mod rope;
+pub mod session;
 pub mod tokenizer;
 pub mod transformer;
 
@@ -32,4 +33,5 @@ pub use linear::{Linear, Numerics};
 pub use loaded::{LoadedModel, TextStream};
 pub use observe::{last_row, Capture, NoObserver, Observer, Recorder, Wants};
 pub use rope::Rope;
+pub use session::{Cache, Session};
 pub use transformer::{argmax, DecodeParts, Logits, Model, DEFAULT_CHUNK};

@@ -1,5 +1,5 @@
 //! Head ablation: which heads (top-k of a ranking, or a seeded random draw) and how
-//! (the four modes of PAPERS.md section 6), with the calibration means two of the modes
+//! (the four modes of `docs/methods.md`, "Ablation modes"), with the calibration means two of the modes
 //! need.
 
 use std::path::Path;
@@ -8,7 +8,7 @@ use candle_core::Tensor;
 use serde::{Deserialize, Serialize};
 
 use crate::model::{
-    Interventions, KvCache, Logits, Model, ModelId, Observer, OutputEdit, QueryEdit, Wants,
+    Interventions, Model, ModelId, Observer, OutputEdit, QueryEdit, Session, Wants,
 };
 use crate::policy::ranking::Ranking;
 use crate::provenance::Made;
@@ -247,8 +247,7 @@ impl Calibration {
             per_layer,
         };
         for p in prompts {
-            let mut cache = KvCache::new(cfg, p.len());
-            model.forward(p, &mut cache, Logits::Last, &mut obs, &Interventions::new())?;
+            Session::new(model, p.len()).prefill(p, &mut obs, &Interventions::new())?;
         }
         if obs.positions == 0 {
             return Err(Error::invalid(

@@ -13,8 +13,8 @@ use candle_core::Tensor;
 use serde::{Deserialize, Serialize};
 
 use crate::model::{
-    last_row, GenerateOptions, Generation, HeadCache, Interventions, KvBytes, KvCache, Logits,
-    Model, Observer, Sampler, StopReason, Wants,
+    last_row, GenerateOptions, Generation, HeadCache, Interventions, KvBytes, KvCache, Model,
+    Observer, Sampler, Session, StopReason, Wants,
 };
 use crate::policy::config::Prefill;
 use crate::policy::plan::{DynamicSource, Plan};
@@ -47,14 +47,14 @@ impl Prefilled {
             return Err(Error::invalid("prompt", "empty (no tokens)"));
         }
         let t0 = Instant::now();
-        let mut kv = KvCache::new(model.config(), capacity);
+        let mut session = Session::new(model, capacity);
         let mut obs = LastHidden::new(true);
         if prompt.len() > 1 {
             let head = &prompt[..prompt.len() - 1];
-            model.forward(head, &mut kv, Logits::Last, &mut obs, edits)?;
+            session.prefill(head, &mut obs, edits)?;
         }
         Ok(Self {
-            kv,
+            kv: session.into_cache(),
             edits: edits.clone(),
             hidden: obs.hidden,
             prompt: prompt.to_vec(),
@@ -153,7 +153,7 @@ pub fn generate(
     let mut sampler = Sampler::new(opts.sampling)?;
     let capacity = prompt.len() + opts.max_new;
     let t0 = Instant::now();
-    let (mut cache, mut hidden, prefill_peak) = match plan.prefill {
+    let (mut session, mut hidden, prefill_peak) = match plan.prefill {
         Prefill::FullThenEvict => {
             let own;
             let pre = match prefilled {
@@ -171,17 +171,18 @@ pub fn generate(
             };
             let cache = HeadCache::from_kv(cfg, &pre.kv, &plan.retention, capacity)?;
             let peak = pre.bytes() + cache.bytes().total();
-            (cache, pre.hidden.clone(), peak)
+            (Session::with_cache(model, cache), pre.hidden.clone(), peak)
         }
         Prefill::Stream => {
-            let mut cache = HeadCache::new(cfg, &plan.retention, capacity)?;
+            let cache = HeadCache::new(cfg, &plan.retention, capacity)?;
+            let mut session = Session::with_cache(model, cache);
             let mut obs = LastHidden::new(true);
             if prompt.len() > 1 {
                 let head = &prompt[..prompt.len() - 1];
-                model.forward_heads(head, &mut cache, Logits::Last, &mut obs, &plan.edits)?;
+                session.prefill(head, &mut obs, &plan.edits)?;
             }
-            let peak = cache.peak_bytes().total();
-            (cache, obs.hidden, peak)
+            let peak = session.cache().peak_bytes().total();
+            (session, obs.hidden, peak)
         }
     };
     // With a shared prefill, its time counts as this run's prefill.
@@ -190,7 +191,7 @@ pub fn generate(
         _ => 0.0,
     };
     for &(layer, head, tk) in &plan.topk {
-        cache.set_topk(layer, head, Some(tk))?;
+        session.cache_mut().set_topk(layer, head, Some(tk))?;
     }
     let want_hidden = matches!(
         plan.dynamic.as_ref().map(|d| &d.source),
@@ -227,11 +228,10 @@ pub fn generate(
                 },
             };
             active_sum += flags.iter().filter(|&&a| a).count();
-            cache.set_active(&flags)?;
+            session.cache_mut().set_active(&flags)?;
         }
         let mut obs = LastHidden::new(want_hidden);
-        let logits =
-            model.forward_heads(&[input], &mut cache, Logits::Last, &mut obs, &plan.edits)?;
+        let logits = session.step(input, &mut obs, &plan.edits)?;
         hidden = obs.hidden;
         steps += 1;
         let next = sampler.sample(&logits)?;
@@ -240,7 +240,7 @@ pub fn generate(
             t1 = Instant::now();
         }
         tokens.push(next);
-        if !on_token(next, &logits, cache.bytes()) {
+        if !on_token(next, &logits, session.cache().bytes()) {
             break StopReason::Cancelled;
         }
         if opts.stop.contains(&next) {
@@ -252,8 +252,8 @@ pub fn generate(
         input = next;
     };
     let kv = KvStats {
-        end: cache.bytes(),
-        peak: cache.peak_bytes(),
+        end: session.cache().bytes(),
+        peak: session.cache().peak_bytes(),
         prefill_peak,
         mean_active_kv_heads: plan
             .dynamic

@@ -19,8 +19,7 @@
 use candle_core::{DType, Tensor};
 
 use crate::model::{
-    last_row, HeadCache, KvCache, LoadedModel, Logits, Observer, Retention, Sampler, Sampling,
-    TopK, Wants,
+    last_row, HeadCache, LoadedModel, Observer, Retention, Sampler, Sampling, Session, TopK, Wants,
 };
 use crate::probe::{Probe, Workspace};
 use crate::rag::text::Stopwords;
@@ -122,7 +121,7 @@ fn stops(lm: &LoadedModel, text: &str, last: u32) -> bool {
 /// from its own logits ([`Watch::logits`]) or from another engine (teacher forcing).
 pub(crate) struct Watch<'a> {
     lm: &'a LoadedModel,
-    kv: KvCache,
+    session: Session<'a>,
     obs: StepObserver,
     judge: Option<Judge<'a>>,
     probe_ws: Option<Workspace>,
@@ -154,7 +153,7 @@ impl<'a> Watch<'a> {
         let probe = judge.and_then(|j| j.signal).and_then(|s| s.probe);
         let mut w = Self {
             lm,
-            kv: KvCache::new(lm.model.config(), prompt.len() + max_new + 1),
+            session: Session::new(&lm.model, prompt.len() + max_new + 1),
             obs: StepObserver::new(lm, judge.is_some(), probe.is_some()),
             judge,
             probe_ws: probe.map(Probe::workspace),
@@ -173,9 +172,7 @@ impl<'a> Watch<'a> {
             // state.)
             let mut obs = StepObserver::new(lm, false, probe.is_some());
             let edits = Default::default();
-            let logits = lm
-                .model
-                .forward(prompt, &mut w.kv, Logits::Last, &mut obs, &edits)?;
+            let logits = w.session.prefill(prompt, &mut obs, &edits)?;
             w.obs.final_hidden = obs.final_hidden;
             w.next = Some(logits);
         }
@@ -185,10 +182,7 @@ impl<'a> Watch<'a> {
     /// Run `token` through the model: the next logits, and `token`'s attention row.
     fn step(&mut self, token: u32) -> Result<()> {
         let edits = Default::default();
-        let logits =
-            self.lm
-                .model
-                .forward(&[token], &mut self.kv, Logits::Last, &mut self.obs, &edits)?;
+        let logits = self.session.step(token, &mut self.obs, &edits)?;
         self.next = Some(logits);
         Ok(())
     }
@@ -356,7 +350,8 @@ pub fn masked(
         .split_last()
         .ok_or_else(|| Error::invalid("prompt", "empty"))?;
     let retention = vec![Retention::Full; cfg.n_layers * cfg.n_kv_heads];
-    let mut cache = HeadCache::new(cfg, &retention, prompt.len() + max_new + 1)?;
+    let cache = HeadCache::new(cfg, &retention, prompt.len() + max_new + 1)?;
+    let mut session = Session::with_cache(model, cache);
     let probe = match heads {
         MaskHeads::Probe { probe, .. } => Some(probe),
         MaskHeads::Fixed(_) => None,
@@ -364,7 +359,7 @@ pub fn masked(
     let mut obs = StepObserver::new(lm, false, probe.is_some());
     let edits = Default::default();
     if !head.is_empty() {
-        model.forward_heads(head, &mut cache, Logits::Last, &mut obs, &edits)?;
+        session.prefill(head, &mut obs, &edits)?;
     }
     let set = |cache: &mut HeadCache, chosen: &[usize], tk: Option<TopK>| -> Result<()> {
         for &i in chosen {
@@ -376,7 +371,7 @@ pub fn masked(
         MaskHeads::Fixed(h) => h.to_vec(),
         MaskHeads::Probe { .. } => Vec::new(),
     };
-    set(&mut cache, &chosen, Some(mask))?;
+    set(session.cache_mut(), &chosen, Some(mask))?;
     let mut ws = probe.map(Probe::workspace);
     let mut predicted = Vec::new();
     let mut sampler = Sampler::new(Sampling::default())?;
@@ -390,11 +385,11 @@ pub fn masked(
                 .ok_or(Error::Internal("a probe workspace is made with the probe"))?;
             predicted.resize(probe.output_dim(), 0.0);
             probe.predict_into(&hidden, ws, &mut predicted)?;
-            set(&mut cache, &chosen, None)?;
+            set(session.cache_mut(), &chosen, None)?;
             chosen = top_indices(&predicted, n);
-            set(&mut cache, &chosen, Some(mask))?;
+            set(session.cache_mut(), &chosen, Some(mask))?;
         }
-        let logits = model.forward_heads(&[input], &mut cache, Logits::Last, &mut obs, &edits)?;
+        let logits = session.step(input, &mut obs, &edits)?;
         let next = sampler.sample(&logits)?;
         let piece = if lm.special.stop.contains(&next) {
             String::new()

@@ -30,6 +30,16 @@ impl Stopwords {
         Ok(Self(words))
     }
 
+    /// NLTK's English list (179 words, from the `stop-words` crate): the built-in list of
+    /// the server's RIND and QFS.
+    pub fn english() -> Self {
+        Self::from_words(
+            stop_words::get(stop_words::LANGUAGE::English)
+                .iter()
+                .copied(),
+        )
+    }
+
     /// A list from words.
     pub fn from_words<'a>(words: impl IntoIterator<Item = &'a str>) -> Self {
         Self(words.into_iter().map(str::to_lowercase).collect())
@@ -103,5 +113,17 @@ mod tests {
         assert!(!s.is_content("The"));
         assert!(!s.is_content(","));
         assert!(!s.is_content("in."));
+    }
+
+    #[test]
+    fn the_built_in_english_list_holds_function_words_only() {
+        let s = Stopwords::english();
+        for w in ["the", "of", "which", "was", "is", "and"] {
+            assert!(!s.is_content(w), "{w}");
+        }
+        for w in ["archive", "Paris", "tower", "1889"] {
+            assert!(s.is_content(w), "{w}");
+        }
+        assert!((150..=200).contains(&s.0.len()), "{} words", s.0.len());
     }
 }

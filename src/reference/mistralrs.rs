@@ -10,7 +10,7 @@
 //! - streaming chat and raw-text generation with mistral.rs's own chat template and
 //!   sampler ([`MistralRsEngine::chat_stream`], [`MistralRsEngine::complete_stream`]).
 //!
-//! How it is set up (see DESIGN.md, "mistral.rs: what it gives and what it hides"):
+//! How it is set up (`docs/parity.md` says why):
 //!
 //! - weights come from the local GGUF file only; the tokenizer and chat template are
 //!   built from its metadata; nothing touches the network;

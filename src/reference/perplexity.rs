@@ -7,7 +7,7 @@
 //! the token that follows, `n_ctx - n_ctx / 2 - 1` predictions a chunk. The perplexity is
 //! `exp` of the mean negative log-likelihood over all scored predictions.
 
-use crate::model::{Interventions, KvCache, Logits, Model, NoObserver};
+use crate::model::{Interventions, Logits, Model, NoObserver, Session};
 use crate::{Error, Result};
 
 /// Perplexity of `model` on the first `chunks * n_ctx` of `tokens`.
@@ -34,21 +34,9 @@ pub fn perplexity(
     for c in 0..chunks {
         let mut chunk = tokens[c * n_ctx..(c + 1) * n_ctx].to_vec();
         chunk[0] = bos;
-        let mut cache = KvCache::new(model.config(), n_ctx);
-        model.forward(
-            &chunk[..first],
-            &mut cache,
-            Logits::Last,
-            &mut NoObserver,
-            &none,
-        )?;
-        let logits = model.forward(
-            &chunk[first..],
-            &mut cache,
-            Logits::All,
-            &mut NoObserver,
-            &none,
-        )?;
+        let mut session = Session::new(model, n_ctx);
+        session.prefill(&chunk[..first], &mut NoObserver, &none)?;
+        let logits = session.feed(&chunk[first..], Logits::All, &mut NoObserver, &none)?;
         for (row, &next) in chunk[first + 1..].iter().enumerate() {
             let logits: Vec<f32> = logits.get(row)?.to_vec1()?;
             nll -= log_softmax_at(&logits, next as usize);

@@ -88,8 +88,9 @@ pub struct ServeConfig {
     pub default_max_tokens: usize,
     /// A BM25 index folder (`headwise retriever index`): enables `"headwise": {"rag": ...}`.
     pub rag_index: Option<PathBuf>,
-    /// The stopword list of RIND and QFS (relative to `base_dir`).
-    pub rag_stopwords: PathBuf,
+    /// The stopword list of RIND and QFS, one word per line (relative to `base_dir`)
+    /// [default: the built-in English list, [`crate::rag::text::Stopwords::english`]].
+    pub rag_stopwords: Option<PathBuf>,
     /// Retrieval triggers requests may choose by name [default: `once`, `every_n` (n = 4),
     /// `rind` (threshold 1.0)].
     pub rag_triggers: Option<BTreeMap<String, TriggerConfig>>,
@@ -118,7 +119,7 @@ impl Default for ServeConfig {
             max_tokens_limit: 2048,
             default_max_tokens: 256,
             rag_index: None,
-            rag_stopwords: PathBuf::from("../shared/data/stopwords/snowball_en.txt"),
+            rag_stopwords: None,
             rag_triggers: None,
         }
     }

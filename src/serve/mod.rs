@@ -83,7 +83,10 @@ pub fn load_engine(cfg: &ServeConfig) -> Result<Engine> {
     };
     let rag = engine::RagService {
         index: crate::rag::Bm25Index::open(&base.join(dir))?,
-        stopwords: crate::rag::text::Stopwords::load(&base.join(&cfg.rag_stopwords))?,
+        stopwords: match &cfg.rag_stopwords {
+            Some(file) => crate::rag::text::Stopwords::load(&base.join(file))?,
+            None => crate::rag::text::Stopwords::english(),
+        },
         triggers: cfg.triggers(),
     };
     Ok(engine.with_rag(rag))

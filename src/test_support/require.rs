@@ -21,7 +21,7 @@ pub fn require_all() -> bool {
 pub fn unavailable(what: &str) {
     assert!(
         !require_all(),
-        "HEADWISE_REQUIRE_ALL=1 and {what} (see the README's test section)"
+        "HEADWISE_REQUIRE_ALL=1 and {what} (see CONTRIBUTING.md, \"Build and test\")"
     );
     eprintln!("SKIPPED: {what}");
 }

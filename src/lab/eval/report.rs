@@ -1,4 +1,4 @@
-//! Reports of a run: `summary.json` (flat records, `../shared/docs/RESULTS.md`), a
+//! Reports of a run: `summary.json` (flat records, [`crate::results::ResultRecord`]), a
 //! Markdown README with tables per task and metric, and SVG plots of each metric against
 //! k (and against k as a share of all heads), one line per head selection.
 //!

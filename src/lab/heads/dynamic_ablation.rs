@@ -1,4 +1,4 @@
-//! Dynamic ablation (PAPERS.md section 3): at every generation step, silence the heads
+//! Dynamic ablation ("Retrieval Heads are Dynamic", 2026): at every generation step, silence the heads
 //! that are active at that step (oracle labels from the unablated run), against as many
 //! static top heads or random heads at the same step; and the compensation analysis:
 //! which heads become active once the dynamic ones are silenced.

@@ -1,4 +1,5 @@
-//! LOCOS logit-contribution scoring (PAPERS.md section 2): what a head writes toward the
+//! LOCOS logit-contribution scoring (Gema, Alex, Minervini 2026, "Logit-Contribution
+//! Scoring Identifies Non-Literal Retrieval Heads"): what a head writes toward the
 //! answer token, position by position, contrasted between the needle and the rest.
 //!
 //! For a step that produces answer token `y`, head `h` of layer `l` contributes

@@ -20,9 +20,7 @@ use serde::{Deserialize, Serialize};
 use crate::lab::heads::{locos, wu};
 use crate::lab::tasks::Trial;
 use crate::metrics::rouge1_recall;
-use crate::model::{
-    argmax, Interventions, KvCache, LoadedModel, Logits, NoObserver, Observer, Wants,
-};
+use crate::model::{argmax, Interventions, LoadedModel, NoObserver, Observer, Session, Wants};
 use crate::policy::ranking::HeadMatrix;
 use crate::{Error, Result};
 
@@ -166,10 +164,10 @@ impl<'a> Scorer<'a> {
         let cfg = model.config();
         let none = Interventions::new();
         let prompt = &trial.prompt;
-        let mut cache = KvCache::new(cfg, prompt.len() + trial.answer_tokens.len());
+        let mut session = Session::new(model, prompt.len() + trial.answer_tokens.len());
         if prompt.len() > 1 {
             let head = &prompt[..prompt.len() - 1];
-            model.forward(head, &mut cache, Logits::Last, &mut NoObserver, &none)?;
+            session.prefill(head, &mut NoObserver, &none)?;
         }
         let mut sum = HeadMatrix::zeros(cfg.n_layers, cfg.n_heads);
         let mut input = *prompt
@@ -177,7 +175,7 @@ impl<'a> Scorer<'a> {
             .ok_or(Error::Internal("prompts are never empty"))?;
         for &y in &trial.answer_tokens {
             let mut obs = StepObserver::new(cfg.n_layers, true);
-            model.forward(&[input], &mut cache, Logits::Last, &mut obs, &none)?;
+            session.step(input, &mut obs, &none)?;
             sum.add(&self.locos_step(&obs, y, trial)?);
             input = y;
         }
@@ -194,15 +192,9 @@ impl<'a> Scorer<'a> {
         let mut locos_steps = 0;
         let none = Interventions::new();
         let prompt = &trial.prompt;
-        let mut cache = KvCache::new(cfg, prompt.len() + max_new);
+        let mut session = Session::new(model, prompt.len() + max_new);
         if prompt.len() > 1 {
-            model.forward(
-                &prompt[..prompt.len() - 1],
-                &mut cache,
-                Logits::Last,
-                &mut NoObserver,
-                &none,
-            )?;
+            session.prefill(&prompt[..prompt.len() - 1], &mut NoObserver, &none)?;
         }
         let mut sequence = prompt.clone();
         let mut generated: Vec<u32> = Vec::new();
@@ -214,7 +206,7 @@ impl<'a> Scorer<'a> {
         let greedy = self.steps == LocosSteps::Greedy;
         for _ in 0..max_new {
             let mut obs = StepObserver::new(n_layers, greedy);
-            let logits = model.forward(&[input], &mut cache, Logits::Last, &mut obs, &none)?;
+            let logits = session.step(input, &mut obs, &none)?;
             let y = argmax(&logits)?;
             for l in 0..n_layers {
                 if let Some(probs) = &obs.attention[l] {

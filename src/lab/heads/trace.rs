@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::lab::eval::Example;
 use crate::model::{
-    argmax, Interventions, KvCache, LoadedModel, Logits, NoObserver, Observer, Wants,
+    argmax, Interventions, KvCache, LoadedModel, NoObserver, Observer, Session, Wants,
 };
 use crate::probe::LabelKind;
 use crate::provenance::Made;
@@ -175,18 +175,16 @@ pub fn record(
     edits_at: &mut dyn FnMut(usize) -> Interventions,
 ) -> Result<ExampleSteps> {
     let model = &lm.model;
-    let mc = model.config();
     let prompt = &ex.prompt;
     if prompt.is_empty() {
         return Err(Error::invalid("prompt", format!("{}: empty", ex.id)));
     }
-    let mut cache = KvCache::new(mc, prompt.len() + cfg.max_new);
+    let mut session = Session::new(model, prompt.len() + cfg.max_new);
     if prompt.len() > 1 {
         let head = &prompt[..prompt.len() - 1];
-        let none = Interventions::new();
-        model.forward(head, &mut cache, Logits::Last, &mut NoObserver, &none)?;
+        session.prefill(head, &mut NoObserver, &Interventions::new())?;
     }
-    record_steps(lm, ex, cfg, forced, edits_at, cache)
+    record_steps(lm, ex, cfg, forced, edits_at, session.into_cache())
 }
 
 /// [`record`] from a cache that already holds every prompt position but the last
@@ -197,7 +195,7 @@ pub fn record_steps(
     cfg: &TraceConfig,
     forced: Option<&[u32]>,
     edits_at: &mut dyn FnMut(usize) -> Interventions,
-    mut cache: KvCache,
+    cache: KvCache,
 ) -> Result<ExampleSteps> {
     let model = &lm.model;
     let mc = model.config();
@@ -213,6 +211,7 @@ pub fn record_steps(
             ),
         ));
     }
+    let mut session = Session::with_cache(model, cache);
     let mut out = ExampleSteps::default();
     let mut sequence = prompt.clone();
     let mut input = *prompt
@@ -224,7 +223,7 @@ pub fn record_steps(
             attention: vec![None; mc.n_layers],
             hidden: None,
         };
-        let logits = model.forward(&[input], &mut cache, Logits::Last, &mut obs, &edits)?;
+        let logits = session.step(input, &mut obs, &edits)?;
         let y = match forced {
             Some(f) if step < f.len() => f[step],
             Some(_) => break,

@@ -1,4 +1,5 @@
-//! Wu et al.'s retrieval score (PAPERS.md section 1): at each generation step, a head
+//! Wu et al.'s retrieval score ("Retrieval Head Mechanistically Explains Long-Context
+//! Factuality", 2024, the retrieval score): at each generation step, a head
 //! whose most-attended position lies in the needle and holds the token just generated
 //! earns `1 / |needle|`.
 

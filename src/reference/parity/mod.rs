@@ -9,8 +9,8 @@
 use candle_core::D;
 
 use crate::model::{
-    argmax, generate, GenerateOptions, Interventions, KvCache, LoadedModel, Logits, Model,
-    NoObserver,
+    argmax, generate, GenerateOptions, Interventions, LoadedModel, Logits, Model, NoObserver,
+    Session,
 };
 #[cfg(feature = "mistralrs")]
 use crate::reference::mistralrs::MistralRsEngine;
@@ -161,9 +161,9 @@ fn top2_gap(row: &[f32]) -> f32 {
 /// `n` greedy tokens after `prompt` (no stop token: the reference runs ignore EOS too),
 /// with the top-2 logit gap of every step.
 pub fn greedy_trace(model: &Model, prompt: &[u32], n: usize) -> Result<GreedyTrace> {
-    let mut cache = KvCache::new(model.config(), prompt.len() + n);
+    let mut session = Session::new(model, prompt.len() + n);
     let (none, mut trace) = (Interventions::new(), GreedyTrace::default());
-    let mut logits = model.forward(prompt, &mut cache, Logits::Last, &mut NoObserver, &none)?;
+    let mut logits = session.prefill(prompt, &mut NoObserver, &none)?;
     for step in 0..n {
         let next = argmax(&logits)?;
         trace.tokens.push(next);
@@ -171,7 +171,7 @@ pub fn greedy_trace(model: &Model, prompt: &[u32], n: usize) -> Result<GreedyTra
             .top2_gaps
             .push(top2_gap(&logits.flatten_all()?.to_vec1()?));
         if step + 1 < n {
-            logits = model.forward(&[next], &mut cache, Logits::Last, &mut NoObserver, &none)?;
+            logits = session.step(next, &mut NoObserver, &none)?;
         }
     }
     Ok(trace)
@@ -199,10 +199,8 @@ pub fn compare_prompt(
     text: &str,
 ) -> Result<PromptParity> {
     let tokens = ours.encode(text, true)?;
-    let mut cache = KvCache::new(ours.model.config(), tokens.len());
-    let a = ours.model.forward(
+    let a = Session::new(&ours.model, tokens.len()).feed(
         &tokens,
-        &mut cache,
         Logits::All,
         &mut NoObserver,
         &Interventions::new(),

@@ -1,0 +1,141 @@
+//! One sequence being decoded: the model, the sequence's cache and, through the cache,
+//! its position. Every generation path of the crate (plain and policy generation,
+//! scoring, traces, RAG segments, parity, benchmarks) runs the model through a
+//! [`Session`]: [`Session::prefill`] for the prompt, [`Session::step`] for each new
+//! token, [`Session::feed`] when a caller needs the logits of every position.
+//!
+//! The cache is either the plain per-layer [`KvCache`] (every head keeps every position)
+//! or the per-head [`HeadCache`] of a policy; both are a [`Cache`].
+
+use candle_core::Tensor;
+
+use crate::model::{HeadCache, Interventions, KvCache, Logits, Model, Observer};
+use crate::Result;
+
+/// A cache a [`Session`] runs the model over.
+pub trait Cache {
+    /// Run `tokens` at the positions after the cached ones, appending their keys and
+    /// values; logits `(1, vocab)` for [`Logits::Last`], `(tokens.len(), vocab)` for
+    /// [`Logits::All`].
+    fn run(
+        &mut self,
+        model: &Model,
+        tokens: &[u32],
+        logits: Logits,
+        observer: &mut dyn Observer,
+        edits: &Interventions,
+    ) -> Result<Tensor>;
+
+    /// Positions cached so far: the next token's position.
+    fn position(&self) -> usize;
+}
+
+impl Cache for KvCache {
+    fn run(
+        &mut self,
+        model: &Model,
+        tokens: &[u32],
+        logits: Logits,
+        observer: &mut dyn Observer,
+        edits: &Interventions,
+    ) -> Result<Tensor> {
+        model.forward(tokens, self, logits, observer, edits)
+    }
+
+    fn position(&self) -> usize {
+        self.len()
+    }
+}
+
+impl Cache for HeadCache {
+    fn run(
+        &mut self,
+        model: &Model,
+        tokens: &[u32],
+        logits: Logits,
+        observer: &mut dyn Observer,
+        edits: &Interventions,
+    ) -> Result<Tensor> {
+        model.forward_heads(tokens, self, logits, observer, edits)
+    }
+
+    fn position(&self) -> usize {
+        self.len()
+    }
+}
+
+/// A sequence over `model` with its cache `C`.
+pub struct Session<'m, C: Cache = KvCache> {
+    model: &'m Model,
+    cache: C,
+}
+
+impl<'m> Session<'m, KvCache> {
+    /// An empty sequence with a plain cache for `capacity` positions.
+    pub fn new(model: &'m Model, capacity: usize) -> Self {
+        Self::with_cache(model, KvCache::new(model.config(), capacity))
+    }
+}
+
+impl<'m, C: Cache> Session<'m, C> {
+    /// A sequence that continues from what `cache` holds.
+    pub fn with_cache(model: &'m Model, cache: C) -> Self {
+        Self { model, cache }
+    }
+
+    /// The model.
+    pub fn model(&self) -> &'m Model {
+        self.model
+    }
+
+    /// The cache.
+    pub fn cache(&self) -> &C {
+        &self.cache
+    }
+
+    /// The cache, to change what it keeps (a policy's top-k or active heads).
+    pub fn cache_mut(&mut self) -> &mut C {
+        &mut self.cache
+    }
+
+    /// The cache, ending the session.
+    pub fn into_cache(self) -> C {
+        self.cache
+    }
+
+    /// Positions processed so far.
+    pub fn position(&self) -> usize {
+        self.cache.position()
+    }
+
+    /// Run `tokens` and return the logits of the rows `logits` asks for.
+    pub fn feed(
+        &mut self,
+        tokens: &[u32],
+        logits: Logits,
+        observer: &mut dyn Observer,
+        edits: &Interventions,
+    ) -> Result<Tensor> {
+        self.cache.run(self.model, tokens, logits, observer, edits)
+    }
+
+    /// Run a prompt (or part of one) in chunks; logits `(1, vocab)` of its last position.
+    pub fn prefill(
+        &mut self,
+        tokens: &[u32],
+        observer: &mut dyn Observer,
+        edits: &Interventions,
+    ) -> Result<Tensor> {
+        self.feed(tokens, Logits::Last, observer, edits)
+    }
+
+    /// Run one token; its logits `(1, vocab)`.
+    pub fn step(
+        &mut self,
+        token: u32,
+        observer: &mut dyn Observer,
+        edits: &Interventions,
+    ) -> Result<Tensor> {
+        self.feed(&[token], Logits::Last, observer, edits)
+    }
+}
