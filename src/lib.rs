@@ -3,7 +3,7 @@
 //! The crate is layered; a module imports only from the layers below it (checked by
 //! `tests/layering.rs`):
 //!
-//! 1. the foundations: [`error`], [`provenance`], [`results`], [`lock`], [`wait`],
+//! 1. the foundations: [`error`], [`artifact`], [`provenance`], [`lock`], [`wait`],
 //!    [`http`], [`metrics`], [`synthetic`];
 //! 2. [`model`]: an instrumented forward pass over a real GGUF model in which every
 //!    attention head can be observed ([`model::Observer`]) and changed
@@ -19,6 +19,7 @@
 // invariant headwise itself keeps is `Error::Internal`).
 #![deny(clippy::unwrap_used, clippy::expect_used)]
 
+pub mod artifact;
 pub mod error;
 pub mod http;
 pub mod lock;

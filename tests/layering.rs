@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 const LAYERS: &[&[&str]] = &[
     &[
         "error",
+        "artifact",
         "rng",
         "wait",
         "http",

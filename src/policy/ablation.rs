@@ -7,6 +7,7 @@ use std::path::Path;
 use candle_core::Tensor;
 use serde::{Deserialize, Serialize};
 
+use crate::artifact::{read_versioned, Versioned};
 use crate::model::{
     Interventions, Model, ModelId, Observer, OutputEdit, QueryEdit, Session, Wants,
 };
@@ -224,6 +225,11 @@ impl Observer for MeanObserver {
     }
 }
 
+impl Versioned for Calibration {
+    const KIND: &'static str = "calibration";
+    const SCHEMA_VERSION: u32 = CALIBRATION_SCHEMA_VERSION;
+}
+
 impl Calibration {
     /// Run `prompts` through `model` and average every head's output and query; `made`
     /// is the file's provenance (its numerics: `model`'s).
@@ -291,23 +297,7 @@ impl Calibration {
 
     /// Read a calibration file, checking its schema and that it belongs to `model`.
     pub fn load(path: &Path, model: &ModelId) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-        let c: Calibration = serde_json::from_str(&text).map_err(|e| {
-            Error::invalid(
-                "calibration",
-                format!("{}: not a calibration file ({e})", path.display()),
-            )
-        })?;
-        if c.schema_version != CALIBRATION_SCHEMA_VERSION {
-            return Err(Error::invalid(
-                "calibration",
-                format!(
-                    "{}: schema version {}, this build reads {CALIBRATION_SCHEMA_VERSION}",
-                    path.display(),
-                    c.schema_version
-                ),
-            ));
-        }
+        let c: Calibration = read_versioned(path)?;
         if c.model_sha256 != model.sha256 {
             return Err(Error::invalid(
                 "calibration",

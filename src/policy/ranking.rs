@@ -7,6 +7,7 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
+use crate::artifact::{read_versioned, Versioned};
 use crate::provenance::Made;
 use crate::results::write_atomic;
 use crate::{Error, Result};
@@ -80,6 +81,11 @@ pub struct Acceptance {
     pub context_tokens: usize,
     pub run: usize,
     pub accepted: usize,
+}
+
+impl Versioned for Ranking {
+    const KIND: &'static str = "ranking";
+    const SCHEMA_VERSION: u32 = SCHEMA_VERSION;
 }
 
 /// A ranking file: its provenance and every head's score.
@@ -161,23 +167,7 @@ impl Ranking {
 
     /// Read a ranking file, checking its schema version.
     pub fn load(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-        let r: Ranking = serde_json::from_str(&text).map_err(|e| {
-            Error::invalid(
-                "ranking",
-                format!("{}: not a ranking file ({e})", path.display()),
-            )
-        })?;
-        if r.schema_version != SCHEMA_VERSION {
-            return Err(Error::invalid(
-                "ranking",
-                format!(
-                    "{}: schema version {}, this build reads {SCHEMA_VERSION}",
-                    path.display(),
-                    r.schema_version
-                ),
-            ));
-        }
+        let r: Ranking = read_versioned(path)?;
         r.validate()
             .map_err(|reason| Error::invalid("ranking", format!("{}: {reason}", path.display())))?;
         Ok(r)

@@ -18,6 +18,7 @@ use sha2::Digest;
 use super::card::{BaselineConfig, BaselineSummary, EpochLog, Evaluation, LabelKind, ProbeConfig};
 use super::mlp::{Activation, Dense, Mlp};
 use super::Probe;
+use crate::artifact::{read_versioned, Versioned};
 use crate::provenance::Made;
 use crate::results::write_atomic;
 use crate::{Error, Result};
@@ -79,6 +80,11 @@ pub struct WeightsFile {
     /// File name, in the card's folder.
     pub file: String,
     pub sha256: String,
+}
+
+impl Versioned for ProbeCard {
+    const KIND: &'static str = "probe card";
+    const SCHEMA_VERSION: u32 = PROBE_SCHEMA_VERSION;
 }
 
 /// The JSON card of a probe.
@@ -185,23 +191,7 @@ impl Probe {
     /// Errors on another schema version, a weights file whose SHA-256 differs from the
     /// card's, or tensors whose shapes disagree with the card's architecture.
     pub fn load(card_path: &Path) -> Result<Probe> {
-        let text = std::fs::read_to_string(card_path).map_err(|e| Error::io(card_path, e))?;
-        let value: serde_json::Value =
-            serde_json::from_str(&text).map_err(|e| card_error(card_path, e))?;
-        match value.get("schema_version").and_then(|v| v.as_u64()) {
-            Some(v) if v == u64::from(PROBE_SCHEMA_VERSION) => {}
-            other => {
-                return Err(card_error(
-                    card_path,
-                    format!(
-                        "schema_version {} is not the supported {PROBE_SCHEMA_VERSION}",
-                        other.map_or("missing".to_string(), |v| v.to_string())
-                    ),
-                ))
-            }
-        }
-        let card: ProbeCard =
-            serde_json::from_value(value).map_err(|e| card_error(card_path, e))?;
+        let card: ProbeCard = read_versioned(card_path)?;
         let weights = card
             .weights
             .as_ref()

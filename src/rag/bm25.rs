@@ -15,6 +15,7 @@ use tantivy::query::{BooleanQuery, BoostQuery, Occur, Query, TermQuery};
 use tantivy::schema::{Field, IndexRecordOption, Schema, Value, STORED, STRING, TEXT};
 use tantivy::{doc, Index, IndexReader, ReloadPolicy, TantivyDocument, Term};
 
+use crate::artifact::{read_versioned, Versioned};
 use crate::provenance::{Made, NO_MODEL};
 use crate::rag::corpus::Passage;
 use crate::rag::retriever::{Hit, Retriever, MAX_K};
@@ -27,6 +28,12 @@ const META: &str = "headwise-index.json";
 /// Most distinct terms a query may have in one field; a longer query is refused (a 400
 /// from the search server) rather than searched for minutes.
 pub const MAX_QUERY_TERMS: usize = 1024;
+
+impl Versioned for IndexMeta {
+    const KIND: &'static str = "index";
+    const SCHEMA_VERSION: u32 = INDEX_SCHEMA_VERSION;
+    const ON_OTHER_VERSION: &'static str = "; rebuild the index";
+}
 
 /// What an index folder says about itself.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -144,22 +151,7 @@ impl Bm25Index {
     /// Open an index folder written by [`Bm25Index::build`].
     pub fn open(dir: &Path) -> Result<Self> {
         let meta_path = dir.join(META);
-        let meta: IndexMeta = std::fs::read(&meta_path)
-            .map_err(|e| Error::io(&meta_path, e))
-            .and_then(|b| {
-                serde_json::from_slice(&b)
-                    .map_err(|e| Error::invalid("index", format!("{}: {e}", meta_path.display())))
-            })?;
-        if meta.schema_version != INDEX_SCHEMA_VERSION {
-            return Err(Error::invalid(
-                "index",
-                format!(
-                    "{}: schema version {} (this build reads {INDEX_SCHEMA_VERSION}; rebuild it)",
-                    dir.display(),
-                    meta.schema_version
-                ),
-            ));
-        }
+        let meta: IndexMeta = read_versioned(&meta_path)?;
         let index = Index::open_in_dir(dir).map_err(tantivy_err("open"))?;
         Self::from_index(index, meta, &dir.display().to_string())
     }

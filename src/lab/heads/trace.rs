@@ -10,6 +10,7 @@ use candle_core::{Device, Tensor, D};
 use ndarray::Array2;
 use serde::{Deserialize, Serialize};
 
+use crate::artifact::{read_versioned, Versioned};
 use crate::lab::eval::Example;
 use crate::model::{
     argmax, Interventions, KvCache, LoadedModel, NoObserver, Observer, Session, Wants,
@@ -339,23 +340,7 @@ impl Trace {
     pub fn load(path: &Path) -> Result<(Self, TraceCard)> {
         let stem = path.with_extension("");
         let card_path = with_ext(&stem, "json");
-        let text = std::fs::read_to_string(&card_path).map_err(|e| Error::io(&card_path, e))?;
-        let card: TraceCard = serde_json::from_str(&text).map_err(|e| {
-            Error::invalid(
-                "trace",
-                format!("{}: not a trace card ({e})", card_path.display()),
-            )
-        })?;
-        if card.schema_version != SCHEMA_VERSION {
-            return Err(Error::invalid(
-                "trace",
-                format!(
-                    "{}: schema version {}, this build reads {SCHEMA_VERSION}",
-                    card_path.display(),
-                    card.schema_version
-                ),
-            ));
-        }
+        let card: TraceCard = read_versioned(&card_path)?;
         let data = with_ext(&stem, "safetensors");
         if !data.exists() {
             return Err(Error::invalid(
@@ -418,6 +403,11 @@ fn with_ext(stem: &Path, ext: &str) -> PathBuf {
     s.push(".");
     s.push(ext);
     PathBuf::from(s)
+}
+
+impl Versioned for TraceCard {
+    const KIND: &'static str = "trace card";
+    const SCHEMA_VERSION: u32 = SCHEMA_VERSION;
 }
 
 /// The JSON card of a trace file.

@@ -222,7 +222,7 @@ mod tests {
             "{err}"
         );
         let err = write(&|c| c["schema_version"] = 2.into());
-        assert!(err.contains("schema_version 2"), "{err}");
+        assert!(err.contains("schema version 2"), "{err}");
         let err = write(&|c| c["weights"]["sha256"] = "00".into());
         assert!(err.contains("SHA-256"), "{err}");
         std::fs::remove_dir_all(&dir).unwrap();
