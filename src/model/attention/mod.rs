@@ -1,0 +1,235 @@
+//! Five implementations of `softmax(q k^T / sqrt(d) + mask) v` with GQA, chosen by
+//! [`Numerics`](crate::model::Numerics):
+//!
+//! * [`batched`]: candle matrix products and a softmax over the whole score matrix:
+//!   fast for prefill, and it yields the attention probabilities as a by-product;
+//! * [`blocked`]: the same products per block of queries over just the keys the block
+//!   sees, for a prefill whose probabilities nobody reads;
+//! * [`single_query`]: one decode step in plain loops over the KV cache, parallel over
+//!   KV heads and parts of the keys, 16-lane dot products and a vectorised `exp`: a
+//!   matrix product with one row spends most of its time packing operands. Its loops
+//!   are compiled for AVX2 and AVX-512 besides the build's own target and chosen at run
+//!   time ([`Isa`](crate::model::kernels::Isa)), with the same floats on each; the prefill softmax of [`blocked`]
+//!   is compiled for the build's target only;
+//! * [`streaming`]: a one-pass online softmax (Milakov and Gimelshein 2018, as in
+//!   FlashAttention) that visits key positions in order, one query row at a time, and
+//!   for a single query splits the keys into tiles of 16 merged left to right. This is the
+//!   arithmetic order of mistral.rs's CPU attention, so with the same quantized matmuls
+//!   the two engines compute the same floats. With activations quantized to 8 bits before
+//!   every matmul, any last-bit difference in attention would otherwise cascade through
+//!   rounding flips into logit differences of ~0.1 (measured), which is why parity needs
+//!   the same order and not merely the same function.
+//! * [`ggml_plain`]: llama.cpp's plain attention over an f32 cache in ggml's arithmetic
+//!   order (scores, softmax and value sums of [`crate::model::ggml`]), for parity with
+//!   llama.cpp.
+//!
+//! Shapes: queries `(n_heads, q, d_head)` contiguous; keys and values
+//! `(n_kv_heads, kv_len, d_head)` (views into the KV cache, last dim contiguous); mask
+//! `(n_heads, q, kv_len)` or, when `None`, causal for queries at `start..start + q`.
+//! Output `(n_heads, q, d_head)`.
+
+mod batched;
+mod blocked;
+mod ggml_plain;
+mod rows;
+mod single_query;
+mod streaming;
+
+pub(crate) use batched::batched;
+pub(crate) use blocked::blocked;
+pub(crate) use ggml_plain::ggml_plain;
+pub(crate) use single_query::{decode_rows, single_query, KvRows};
+pub(crate) use streaming::streaming;
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{Device, Tensor};
+
+    use super::single_query::{decode_rows_on, dot_lanes};
+    use super::*;
+    use crate::model::ggml;
+    use crate::model::kernels::Isa;
+
+    #[test]
+    fn dot_kernels_agree_with_a_plain_sum() {
+        for n in [8, 16, 64, 80] {
+            let a: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
+            let b: Vec<f32> = (0..n).map(|i| (i as f32 * 0.11).cos()).collect();
+            let want: f64 = a.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
+            assert!((dot_lanes(&a, &b) as f64 - want).abs() < 1e-4, "n {n}");
+        }
+    }
+
+    #[test]
+    fn decode_attention_is_the_same_on_every_instruction_set() {
+        let (nh, nkv, len, dh) = (6, 2, 300, 64);
+        let q = Tensor::randn(0f32, 1.0, (nh * dh,), &Device::Cpu).unwrap();
+        let q: Vec<f32> = q.to_vec1().unwrap();
+        let kv = Tensor::randn(0f32, 1.0, (2 * nkv * len * dh,), &Device::Cpu).unwrap();
+        let kv: Vec<f32> = kv.to_vec1().unwrap();
+        let heads: Vec<KvRows> = (0..nkv)
+            .map(|h| KvRows {
+                keys: &kv[h * len * dh..][..len * dh],
+                values: &kv[(nkv + h) * len * dh..][..len * dh],
+                len,
+            })
+            .collect();
+        let bias: Vec<f32> = (0..len)
+            .map(|j| if j % 7 == 0 { f32::NEG_INFINITY } else { 0.1 })
+            .collect();
+        let masks: Vec<Option<&[f32]>> =
+            (0..nh).map(|h| (h % 2 == 0).then_some(&bias[..])).collect();
+        let (out, probs) = decode_rows_on(Isa::Portable, &q, dh, &heads, &masks, true);
+        for isa in Isa::available() {
+            let (o, p) = decode_rows_on(isa, &q, dh, &heads, &masks, true);
+            assert!(
+                o.iter().zip(&out).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{isa}"
+            );
+            assert_eq!(p, probs, "{isa}");
+        }
+    }
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+        (a - b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+    }
+
+    #[test]
+    fn single_query_matches_batched_attention() {
+        // 37 keys: one part; 300 keys: several parts per KV head; MQA (4 heads, 1 KV head).
+        for (nh, nkv, kv_len) in [(6, 2, 37), (9, 3, 300), (4, 1, 1000)] {
+            let q = Tensor::randn(0f32, 1.0, (nh, 1, 64), &Device::Cpu).unwrap();
+            let k = Tensor::randn(0f32, 1.0, (nkv, kv_len, 64), &Device::Cpu).unwrap();
+            let v = Tensor::randn(0f32, 1.0, (nkv, kv_len, 64), &Device::Cpu).unwrap();
+            let (o1, p1) = single_query(&q, &k, &v, None, true).unwrap();
+            let (o2, p2) = batched(&q, &k, &v, None, None).unwrap();
+            assert!(max_diff(&o1, &o2) < 1e-5, "{nh}/{nkv}/{kv_len}");
+            assert!(max_diff(&p1.unwrap(), &p2) < 1e-6, "{nh}/{nkv}/{kv_len}");
+            let (o3, none) = single_query(&q, &k, &v, None, false).unwrap();
+            assert!(none.is_none() && max_diff(&o1, &o3) == 0.0);
+        }
+    }
+
+    /// `(nh, q, kv_len)` mask: causal for queries at `start..`, within `window`, plus
+    /// `bias * (j % 7)` on visible key `j`.
+    fn full_mask(
+        (nh, q, kv_len): (usize, usize, usize),
+        start: usize,
+        w: Option<usize>,
+        bias: f32,
+    ) -> Tensor {
+        let m: Vec<f32> = (0..nh * q * kv_len)
+            .map(|i| {
+                let (t, j) = ((i / kv_len) % q, i % kv_len);
+                let query = start + t;
+                if j <= query && w.is_none_or(|w| j + w > query) {
+                    bias * (j % 7) as f32
+                } else {
+                    f32::NEG_INFINITY
+                }
+            })
+            .collect();
+        Tensor::from_vec(m, (nh, q, kv_len), &Device::Cpu).unwrap()
+    }
+
+    #[test]
+    fn blocked_prefill_matches_loops_over_the_whole_mask() {
+        // Several blocks, a partial last block, earlier keys before the queries, MQA and a
+        // sliding window shorter than a block; with and without a given mask.
+        for (nh, nkv, q_len, start, window) in [
+            (9, 3, 600, 0, None),
+            (6, 2, 300, 45, None),
+            (4, 1, 700, 20, Some(100)),
+        ] {
+            let kv_len = start + q_len;
+            let q = Tensor::randn(0f32, 1.0, (nh, q_len, 64), &Device::Cpu).unwrap();
+            let k = Tensor::randn(0f32, 1.0, (nkv, kv_len, 64), &Device::Cpu).unwrap();
+            let v = Tensor::randn(0f32, 1.0, (nkv, kv_len, 64), &Device::Cpu).unwrap();
+            let shape = (nh, q_len, kv_len);
+            let mask = full_mask(shape, start, window, 0.0);
+            let want = streaming(&q, &k, &v, start, Some(&mask)).unwrap();
+            let got = blocked(&q, &k, &v, start, None, window).unwrap();
+            let case = format!("{nh}/{nkv}/{q_len}/{start}/{window:?}");
+            assert!(max_diff(&got, &want) < 1e-5, "{case}");
+            let biased = full_mask(shape, start, window, 0.3);
+            let want = streaming(&q, &k, &v, start, Some(&biased)).unwrap();
+            let given = blocked(&q, &k, &v, start, Some(&biased), window).unwrap();
+            assert!(max_diff(&given, &want) < 1e-5, "{case}");
+            assert!(max_diff(&given, &got) > 1e-3, "{case}: the bias is used");
+        }
+    }
+
+    #[test]
+    fn ggml_plain_matches_batched_attention() {
+        // Prefill with a window and a bias, a causal prefill after earlier keys, and one
+        // decode step; lanes aligned to absolute positions other than 0 change only the
+        // last bits.
+        for (nh, nkv, q_len, start, window, bias) in [
+            (4, 1, 70, 0, Some(20), 0.3),
+            (6, 2, 33, 40, None, 0.0),
+            (9, 3, 1, 99, None, 0.0),
+        ] {
+            let kv_len = start + q_len;
+            let q = Tensor::randn(0f32, 1.0, (nh, q_len, 64), &Device::Cpu).unwrap();
+            let k = Tensor::randn(0f32, 1.0, (nkv, kv_len, 64), &Device::Cpu).unwrap();
+            let v = Tensor::randn(0f32, 1.0, (nkv, kv_len, 64), &Device::Cpu).unwrap();
+            let mask = full_mask((nh, q_len, kv_len), start, window, bias);
+            let (want, _) = batched(&q, &k, &v, Some(&mask), None).unwrap();
+            for simd in [ggml::Simd::Avx2, ggml::Simd::Avx512] {
+                let case = format!("{simd:?} {nh}/{nkv}/{q_len}/{start}/{window:?}");
+                let got = ggml_plain(&q, &k, &v, start, 0, Some(&mask), simd).unwrap();
+                assert!(max_diff(&got, &want) < 1e-5, "{case}");
+                if window.is_none() && bias == 0.0 {
+                    let causal = ggml_plain(&q, &k, &v, start, 0, None, simd).unwrap();
+                    assert_eq!(max_diff(&causal, &got), 0.0, "{case}: None is causal");
+                }
+                let shifted = ggml_plain(&q, &k, &v, start, 7, Some(&mask), simd).unwrap();
+                assert!(max_diff(&shifted, &got) < 1e-6, "{case}");
+            }
+        }
+    }
+
+    #[test]
+    fn single_query_honours_masks_that_blank_whole_parts() {
+        let (nh, nkv, kv_len) = (9, 3, 400);
+        let q = Tensor::randn(0f32, 1.0, (nh, 1, 64), &Device::Cpu).unwrap();
+        let k = Tensor::randn(0f32, 1.0, (nkv, kv_len, 64), &Device::Cpu).unwrap();
+        let v = Tensor::randn(0f32, 1.0, (nkv, kv_len, 64), &Device::Cpu).unwrap();
+        // keep 4 sink keys and the last 8: everything between is masked
+        let mask: Vec<f32> = (0..nh * kv_len)
+            .map(|i| {
+                let j = i % kv_len;
+                if j < 4 || j >= kv_len - 8 {
+                    0.0
+                } else {
+                    f32::NEG_INFINITY
+                }
+            })
+            .collect();
+        let mask = Tensor::from_vec(mask, (nh, 1, kv_len), &Device::Cpu).unwrap();
+        let (o1, p1) = single_query(&q, &k, &v, Some(&mask), true).unwrap();
+        let (o2, p2) = batched(&q, &k, &v, Some(&mask), None).unwrap();
+        let p1 = p1.unwrap();
+        assert!(max_diff(&o1, &o2) < 1e-5 && max_diff(&p1, &p2) < 1e-6);
+        let kept: f32 = p1.sum_all().unwrap().to_scalar().unwrap();
+        assert!((kept - nh as f32).abs() < 1e-4);
+        let masked = p1.narrow(2, 4, kv_len - 12).unwrap();
+        assert_eq!(
+            masked
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap(),
+            0.0
+        );
+    }
+}
