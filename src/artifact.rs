@@ -26,7 +26,7 @@ pub fn read_versioned<T: Versioned>(path: &Path) -> Result<T> {
 }
 
 /// [`read_versioned`] of text already read from `path`.
-pub fn parse_versioned<T: Versioned>(text: &str, path: &Path) -> Result<T> {
+fn parse_versioned<T: Versioned>(text: &str, path: &Path) -> Result<T> {
     let bad = |reason: String| Error::invalid(T::KIND, format!("{}: {reason}", path.display()));
     let value: serde_json::Value =
         serde_json::from_str(text).map_err(|e| bad(format!("not a {} file ({e})", T::KIND)))?;
