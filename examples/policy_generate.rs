@@ -11,7 +11,7 @@
 
 use std::io::Write;
 
-use headwise::policy::{GenerateRequest, PolicyConfig, Prompt, Runtime};
+use headwise::policy::{GenerateRequest, Policy, Prompt, Runtime};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let model = std::env::args()
@@ -29,7 +29,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     for preset in ["policies/full.toml", "policies/static-locos.toml"] {
         let runtime = Runtime::builder()
             .model(&model)
-            .policy(PolicyConfig::load(preset.as_ref(), &[])?)
+            .policy(Policy::load(preset.as_ref(), &[])?)
             .build()?;
         print!("{preset}:");
         let out = runtime.generate(&request, &mut |step| {

@@ -35,7 +35,7 @@ use serde_json::{json, Value};
 
 use headwise::model::gguf::read_header;
 use headwise::policy::ranking::Ranking;
-use headwise::policy::PolicyConfig;
+use headwise::policy::Policy;
 
 /// No single allocation an input causes may be larger than this.
 const LARGEST_ALLOCATION: usize = 1 << 30;
@@ -665,7 +665,7 @@ fn fuzz_policy_toml(long: u32) {
     LARGEST.store(0, Ordering::Relaxed);
     let dir = scratch("policy");
     let file = dir.join("p.toml");
-    let load = |path: &Path| PolicyConfig::load(path, &[]).is_ok();
+    let load = |path: &Path| Policy::load(path, &[]).is_ok();
     let mut tally = Tally::default();
     replay_files("policy_toml", &mut tally, &load);
     let tally = Mutex::new(tally);
@@ -682,9 +682,9 @@ fn fuzz_policy_toml(long: u32) {
             std::fs::write(&file, flip(&text, &flips)).unwrap();
             let sets: Vec<String> = sets.iter().map(|(k, v)| format!("{k}={v}")).collect();
             let mut t = lock(&tally);
-            t.run(&text, || PolicyConfig::load(&file, &[]).is_ok())?;
+            t.run(&text, || Policy::load(&file, &[]).is_ok())?;
             t.run(&format!("{sets:?}"), || {
-                PolicyConfig::from_overrides(&sets).is_ok()
+                Policy::from_overrides(&sets).is_ok()
             })
         })
         .unwrap();

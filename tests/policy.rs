@@ -15,7 +15,7 @@ use headwise::model::{
 };
 use headwise::policy::ranking::HeadMatrix;
 use headwise::policy::ranking::{Provenance, Ranking};
-use headwise::policy::{generate, Plan, PolicyConfig, PolicyGeneration, Prefilled};
+use headwise::policy::{generate, Plan, Policy, PolicyGeneration, Prefilled};
 use headwise::provenance::Made;
 
 const PROMPT: &[u32] = &[
@@ -38,7 +38,7 @@ fn opts() -> GenerateOptions {
 }
 
 fn plan(model: &Model, policy: &str, base: &Path) -> Plan {
-    let policy: PolicyConfig = toml::from_str(policy).unwrap();
+    let policy: Policy = toml::from_str(policy).unwrap();
     Plan::resolve(&policy, model.config(), &id(), base).unwrap()
 }
 
@@ -410,7 +410,7 @@ fn bad_policies_fail_when_resolved_not_mid_generation() {
         sha256: "1234".into(),
     };
     let resolve = |text: &str, id: &ModelId| -> String {
-        let policy: PolicyConfig = toml::from_str(text).unwrap();
+        let policy: Policy = toml::from_str(text).unwrap();
         Plan::resolve(&policy, model.config(), id, &dir)
             .unwrap_err()
             .to_string()

@@ -9,7 +9,7 @@ use std::path::Path;
 use headwise::model::{
     generate as plain_generate, GenerateOptions, Interventions, Observer, Wants,
 };
-use headwise::policy::{GenerateRequest, PolicyConfig, Prompt, Runtime};
+use headwise::policy::{GenerateRequest, Policy, Prompt, Runtime};
 
 /// Wants the final hidden state and keeps nothing: with it, the plain generation runs the
 /// prompt's last token as its own decode step, the schedule every policy runs. (In the
@@ -54,7 +54,7 @@ fn every_preset_parses_and_validates() {
         assert!(names.iter().any(|n| n == want), "missing preset {want}");
     }
     for p in presets() {
-        PolicyConfig::load(&p, &[]).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+        Policy::load(&p, &[]).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
     }
 }
 
@@ -78,7 +78,7 @@ fn presets_run_on_smollm2_and_save_memory() {
     for p in presets() {
         let runtime = Runtime::builder()
             .model(&model)
-            .policy(PolicyConfig::load(&p, &[]).unwrap())
+            .policy(Policy::load(&p, &[]).unwrap())
             .base_dir(root)
             .build()
             .unwrap_or_else(|e| panic!("{}: {e}", p.display()));
@@ -128,7 +128,7 @@ fn presets_resolve_on_gemma_where_it_has_the_files() {
         let name = p.file_stem().unwrap().to_string_lossy().into_owned();
         let built = Runtime::builder()
             .model(&model)
-            .policy(PolicyConfig::load(&p, &[]).unwrap())
+            .policy(Policy::load(&p, &[]).unwrap())
             .base_dir(root)
             .build();
         match name.as_str() {

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 use clap::Args;
 use headwise::model::chat::ChatMessage;
-use headwise::policy::{GenerateOutput, GenerateRequest, PolicyConfig, Prompt, Runtime};
+use headwise::policy::{GenerateOutput, GenerateRequest, Policy, Prompt, Runtime};
 use headwise::synthetic::synthetic_notes;
 
 use super::ModelArgs;
@@ -40,7 +40,7 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
             args.policy.display()
         );
     }
-    let policy = PolicyConfig::load(&args.policy, &[])?;
+    let policy = Policy::load(&args.policy, &[])?;
     let path = args.model.resolve()?;
     eprintln!("loading {}", path.display());
     let full = Runtime::builder().model(&path).build()?;

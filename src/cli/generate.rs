@@ -10,7 +10,7 @@ use headwise::model::{
     TextStream,
 };
 
-use headwise::policy::{GenerateRequest, PolicyConfig, Prompt, Runtime};
+use headwise::policy::{GenerateRequest, Policy, Prompt, Runtime};
 
 use super::{read_utf8, ModelArgs};
 
@@ -86,8 +86,8 @@ pub fn run(args: GenerateArgs) -> anyhow::Result<()> {
     sampling.validate()?;
     let path = args.model.resolve()?;
     let policy = match (&args.policy, args.set.is_empty(), &args.probe) {
-        (Some(file), _, _) => Some(PolicyConfig::load(file, &args.set)?),
-        (None, false, _) => Some(PolicyConfig::from_overrides(&args.set)?),
+        (Some(file), _, _) => Some(Policy::load(file, &args.set)?),
+        (None, false, _) => Some(Policy::from_overrides(&args.set)?),
         (None, true, Some(_)) => anyhow::bail!("--probe needs a dynamic_heads --policy"),
         (None, true, None) => None,
     };
@@ -114,7 +114,7 @@ fn with_policy(
     prompt: &str,
     sampling: Sampling,
     path: &std::path::Path,
-    policy: PolicyConfig,
+    policy: Policy,
 ) -> anyhow::Result<()> {
     let mut builder = Runtime::builder().model(path).policy(policy);
     if let Some(probe) = &args.probe {

@@ -16,7 +16,7 @@ use crate::model::{
     last_row, GenerateOptions, Generation, HeadCache, Interventions, KvBytes, KvCache, Model,
     Observer, Sampler, Session, StopReason, Wants,
 };
-use crate::policy::config::Prefill;
+use crate::policy::plan::Prefill;
 use crate::policy::plan::{DynamicSource, Plan};
 use crate::{Error, Result};
 

@@ -3,10 +3,13 @@
 //! against a model ([`Plan`]) and run over the per-head cache
 //! ([`crate::model::HeadCache`]) so that the memory saved is real.
 //!
+//! - [`presses`]: the policies, one file each, and their registry (the TOML `type`s);
+//! - [`select`]: how head-level policies score and pick heads (shared by all of them);
+//! - [`config`]: reading a policy (TOML, environment, overrides) and checking it once
+//!   into a [`Policy`];
+//! - [`plan`]: a policy resolved against one model;
 //! - [`ranking`]: static rankings of the heads (the files under `policies/rankings/`);
 //! - [`ablation`]: head sets, ablation modes and the mean-ablation calibration;
-//! - [`config`]: the policies as TOML (`policies/*.toml` are the presets);
-//! - [`plan`]: a policy resolved against one model;
 //! - [`generate()`]: generation under a plan, with its KV statistics;
 //! - [`runtime`]: the library API, [`Runtime`].
 
@@ -14,12 +17,16 @@ pub mod ablation;
 pub mod config;
 pub mod generate;
 pub mod plan;
+pub mod presses;
 pub mod ranking;
 pub mod runtime;
+pub mod select;
 
-pub use config::{Gqa, HeadChoice, PolicyConfig, Prefill, Selection};
+pub use config::Policy;
 pub use generate::{generate, KvStats, PolicyGeneration, Prefilled};
-pub use plan::{Dynamic, DynamicSource, Plan};
+pub use plan::{Dynamic, DynamicSource, Plan, Prefill};
+pub use presses::{PolicyConfig, Press};
 pub use runtime::{
     GenerateOutput, GenerateRequest, GenerationStats, Prompt, Runtime, RuntimeBuilder, Step,
 };
+pub use select::{Gqa, HeadChoice, Selection};

@@ -2,11 +2,11 @@
 //! `generate` with a streaming callback and per-request statistics.
 //!
 //! ```no_run
-//! use headwise::policy::{GenerateRequest, PolicyConfig, Prompt, Runtime};
+//! use headwise::policy::{GenerateRequest, Policy, Prompt, Runtime};
 //!
 //! let runtime = Runtime::builder()
 //!     .model("models/SmolLM2-135M-Instruct.Q4_1.gguf")
-//!     .policy(PolicyConfig::load("policies/static-locos.toml".as_ref(), &[])?)
+//!     .policy(Policy::load("policies/static-locos.toml".as_ref(), &[])?)
 //!     .build()?;
 //! let request = GenerateRequest::new(Prompt::Text("The capital of France is".into()), 16);
 //! let out = runtime.generate(&request, &mut |step| {
@@ -29,7 +29,7 @@ use crate::model::chat::ChatMessage;
 use crate::model::{
     GenerateOptions, KvBytes, LoadedModel, ModelId, Numerics, Sampling, StopReason, TextStream,
 };
-use crate::policy::config::PolicyConfig;
+use crate::policy::config::Policy;
 use crate::policy::generate::{generate, KvStats};
 use crate::policy::plan::Plan;
 use crate::{Error, Result};
@@ -47,7 +47,7 @@ pub struct Runtime {
 #[derive(Debug, Clone, Default)]
 pub struct RuntimeBuilder {
     model: Option<PathBuf>,
-    policy: Option<PolicyConfig>,
+    policy: Option<Policy>,
     probe: Option<PathBuf>,
     base: Option<PathBuf>,
 }
@@ -60,7 +60,7 @@ impl RuntimeBuilder {
     }
 
     /// The policy [default: `full`].
-    pub fn policy(mut self, policy: PolicyConfig) -> Self {
+    pub fn policy(mut self, policy: Policy) -> Self {
         self.policy = Some(policy);
         self
     }
@@ -82,11 +82,10 @@ impl RuntimeBuilder {
         let path = self
             .model
             .ok_or_else(|| Error::invalid("model", "no model file given"))?;
-        let mut policy = self.policy.unwrap_or(PolicyConfig::Full {});
+        let mut policy = self.policy.unwrap_or_else(Policy::full);
         if let Some(probe) = self.probe {
-            set_probe(&mut policy, probe)?;
+            policy = policy.with_probe(probe)?;
         }
-        policy.validate()?;
         let id = ModelId::of_file(&path)?;
         let lm = LoadedModel::load(&path, Numerics::Fast)?;
         let base = self.base.unwrap_or_else(|| PathBuf::from("."));
@@ -97,31 +96,6 @@ impl RuntimeBuilder {
             plan,
         })
     }
-}
-
-/// Put `probe` into the `dynamic_heads` part of `policy`.
-fn set_probe(policy: &mut PolicyConfig, probe: PathBuf) -> Result<()> {
-    match policy {
-        PolicyConfig::DynamicHeads { probe: p, .. } => {
-            *p = Some(probe);
-            Ok(())
-        }
-        PolicyConfig::Compose { policies } => {
-            let dynamic = policies
-                .iter_mut()
-                .find(|p| matches!(p, PolicyConfig::DynamicHeads { .. }))
-                .ok_or_else(no_dynamic)?;
-            set_probe(dynamic, probe)
-        }
-        _ => Err(no_dynamic()),
-    }
-}
-
-fn no_dynamic() -> Error {
-    Error::invalid(
-        "probe",
-        "a probe was given but the policy has no dynamic_heads part",
-    )
 }
 
 /// What to generate from.
@@ -246,8 +220,7 @@ impl Runtime {
 
     /// The same model (shared, not reloaded) under another policy; relative paths in
     /// it are read from `base`.
-    pub fn with_policy(&self, policy: &PolicyConfig, base: &Path) -> Result<Runtime> {
-        policy.validate()?;
+    pub fn with_policy(&self, policy: &Policy, base: &Path) -> Result<Runtime> {
         let plan = Plan::resolve(policy, self.lm.model.config(), &self.id, base)?;
         Ok(Runtime {
             lm: Arc::clone(&self.lm),

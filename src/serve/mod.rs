@@ -37,7 +37,7 @@ pub use config::ServeConfig;
 pub use engine::Engine;
 pub use routes::router;
 
-use crate::policy::{PolicyConfig, Runtime};
+use crate::policy::{Policy, Runtime};
 use crate::{Error, Result};
 
 /// Seconds to wait for connections to close after in-flight generations were cancelled.
@@ -94,7 +94,7 @@ pub fn load_engine(cfg: &ServeConfig) -> Result<Engine> {
 
 /// The preset file at `path` over the model of `full`; its paths are read from `base`.
 fn load_preset(full: &Runtime, path: &Path, base: &Path) -> Result<Runtime> {
-    full.with_policy(&PolicyConfig::load(path, &[])?, base)
+    full.with_policy(&Policy::load(path, &[])?, base)
 }
 
 /// Serve on `listener` until `shutdown` resolves; then refuse new requests, give the

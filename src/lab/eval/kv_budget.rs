@@ -55,7 +55,7 @@ use crate::lab::plot::{line_chart, Chart, Mark, Series};
 use crate::lab::tasks::Encoder;
 use crate::metrics::Metric;
 use crate::model::{GenerateOptions, Interventions, LoadedModel, ModelId};
-use crate::policy::{generate, DynamicSource, Plan, PolicyConfig, Prefill, Prefilled};
+use crate::policy::{generate, DynamicSource, Plan, Policy, Prefill, Prefilled};
 use crate::probe::LabelKind;
 use crate::provenance::Made;
 use crate::results::{write_atomic, write_experiment, ResultRecord, SCHEMA_VERSION};
@@ -104,7 +104,8 @@ pub struct NamedPolicy {
     pub name: String,
     /// The curve it belongs to (`static-locos`, `random`, ...).
     pub series: String,
-    pub policy: PolicyConfig,
+    /// Checked when the spec is read.
+    pub policy: Policy,
 }
 
 impl BudgetSpec {
@@ -130,13 +131,8 @@ impl BudgetSpec {
             if !names.insert(p.name.as_str()) {
                 return Err(Error::invalid("policy", format!("`{}` twice", p.name)));
             }
-            p.policy.validate()?;
         }
-        if !self
-            .policies
-            .iter()
-            .any(|p| p.policy == PolicyConfig::Full {})
-        {
+        if !self.policies.iter().any(|p| p.policy == Policy::full()) {
             return Err(Error::invalid(
                 "policy",
                 "the sweep needs a `full` policy (the reference for kv_fraction)",
@@ -450,7 +446,7 @@ pub fn write_report(dir: &Path) -> Result<Vec<ResultRecord>> {
         .spec
         .policies
         .iter()
-        .find(|p| p.policy == PolicyConfig::Full {})
+        .find(|p| p.policy == Policy::full())
         .map(|p| p.name.clone())
         .ok_or_else(|| Error::invalid("report", "run.json names no `full` policy"))?;
     let full_bytes: BTreeMap<(String, String), usize> = records

@@ -1,0 +1,66 @@
+//! `static_heads`: query heads chosen once from a ranking (Wu et al. 2024's retrieval
+//! score or LOCOS's logit contribution, `policies/rankings/`) make their KV heads keep
+//! everything; the other KV heads stream `sink` + `window` (the DuoAttention /
+//! RazorAttention split into retrieval and streaming heads, with real per-head stores).
+//!
+//! ```toml
+//! type = "static_heads"
+//! gqa = "any"               # a KV head is kept when any of its query heads is selected
+//! sink = 16
+//! window = 256
+//! prefill = "stream"        # or "full_then_evict"
+//!
+//! [heads]
+//! ranking = "policies/rankings/{model}/locos-niah.json"
+//! select = { top_k = 27 }   # or { fraction = 0.3 }, { threshold = 0.05 }, { random = { count = 27, seed = 0 } }
+//! ```
+
+use serde::{Deserialize, Serialize};
+
+use crate::model::Retention;
+use crate::policy::plan::{Plan, Prefill};
+use crate::policy::presses::window::check_window;
+use crate::policy::presses::{default_sink, default_window, Press, Target};
+use crate::policy::select::{Gqa, HeadChoice};
+use crate::Result;
+
+/// The `static_heads` policy's keys.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StaticHeads {
+    /// The heads that keep everything (only layers without a window of their own).
+    pub heads: HeadChoice,
+    #[serde(default)]
+    pub gqa: Gqa,
+    #[serde(default = "default_sink")]
+    pub sink: usize,
+    #[serde(default = "default_window")]
+    pub window: usize,
+    #[serde(default)]
+    pub prefill: Prefill,
+}
+
+impl Press for StaticHeads {
+    fn check(&self) -> Result<()> {
+        check_window(self.window)?;
+        self.heads.check("static_heads")
+    }
+
+    fn apply(&self, plan: &mut Plan, target: &Target<'_>) -> Result<()> {
+        let chosen = self.heads.choose(target, true)?;
+        let keep = plan.kv_heads(&chosen, self.gqa)?;
+        let stream = Retention::Stream {
+            sink: self.sink,
+            window: self.window,
+        };
+        for (r, keep) in plan.retention.iter_mut().zip(keep) {
+            *r = if keep { Retention::Full } else { stream };
+        }
+        plan.prefill = self.prefill;
+        Ok(())
+    }
+
+    fn sets_retention(&self) -> bool {
+        true
+    }
+}
