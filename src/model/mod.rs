@@ -2,6 +2,7 @@
 //! instrumented transformer with its KV cache, observation and intervention interfaces.
 
 mod attention;
+pub mod cache;
 pub mod chat;
 pub mod config;
 pub mod embedding;
@@ -11,10 +12,8 @@ pub mod generate;
 pub mod ggml;
 pub mod ggml_quant;
 pub mod gguf;
-pub mod head_cache;
 pub mod intervene;
 pub mod kernels;
-pub mod kv_cache;
 pub mod linear;
 pub mod loaded;
 pub mod observe;
@@ -23,12 +22,11 @@ pub mod session;
 pub mod tokenizer;
 pub mod transformer;
 
+pub use cache::{ColdFormat, HeadCache, KvBytes, KvCache, Retention, TopK};
 pub use config::{Architecture, Config, LayerSpec, RopeStyle, SlidingWindow};
 pub use generate::{generate, GenerateOptions, Generation, Sampler, Sampling, StopReason};
 pub use gguf::{GgufFile, ModelId};
-pub use head_cache::{ColdFormat, HeadCache, KvBytes, Retention, TopK};
 pub use intervene::{HeadEdit, Interventions, KeyRestriction, OutputEdit, QueryEdit};
-pub use kv_cache::KvCache;
 pub use linear::{Linear, Numerics};
 pub use loaded::{LoadedModel, TextStream};
 pub use observe::{last_row, Capture, NoObserver, Observer, Recorder, Wants};

@@ -602,7 +602,14 @@ impl Model {
         let cache = match cache {
             Store::Plain(cache) => cache,
             Store::Heads(cache) => {
-                let out = cache.attend(layer, &qh, &kh.squeeze(0)?, &vh.squeeze(0)?, start)?;
+                let out = attention::per_head(
+                    cache,
+                    layer,
+                    &qh,
+                    &kh.squeeze(0)?,
+                    &vh.squeeze(0)?,
+                    start,
+                )?;
                 return self.project_heads(layer, block, out, observer, edits);
             }
         };

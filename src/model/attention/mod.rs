@@ -31,6 +31,7 @@
 mod batched;
 mod blocked;
 mod ggml_plain;
+mod per_head;
 mod rows;
 mod single_query;
 mod streaming;
@@ -38,6 +39,7 @@ mod streaming;
 pub(crate) use batched::batched;
 pub(crate) use blocked::blocked;
 pub(crate) use ggml_plain::ggml_plain;
+pub(crate) use per_head::per_head;
 pub(crate) use single_query::{decode_rows, single_query, KvRows};
 pub(crate) use streaming::streaming;
 

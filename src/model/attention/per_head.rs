@@ -1,0 +1,192 @@
+//! Attention over a per-head cache ([`HeadCache`]): each KV head's query heads read the
+//! rows its store holds, seen through the positions those rows hold. A decode step reads
+//! every stored row (exactly what the retention keeps; a tiered head that is active also
+//! its cold middle), restricted by a top-k bias where a query head has one, with
+//! [`decode_rows`]; a prefill chunk reads the rows stored before it plus its own, a full
+//! head causally by query blocks ([`blocked`]), a ring or tiered head under a mask built
+//! from its rows' positions ([`batched`]).
+
+use candle_core::{Device, Tensor};
+use rayon::prelude::*;
+
+use crate::model::attention::{batched, blocked, decode_rows, KvRows};
+use crate::model::cache::store::{Readable, Retention};
+use crate::model::{HeadCache, TopK};
+use crate::Result;
+
+/// Attention of one layer for queries at positions `start..start + q`: stores the new
+/// keys and values `(n_kv_heads, q, d_head)` (after RoPE) in `cache` and attends with
+/// `queries` `(n_heads, q, d_head)` (after RoPE) over what each head keeps. Returns
+/// `(n_heads, q, d_head)`. The caller commits the `q` positions once every layer ran.
+pub(crate) fn per_head(
+    cache: &mut HeadCache,
+    layer: usize,
+    queries: &Tensor,
+    keys: &Tensor,
+    values: &Tensor,
+    start: usize,
+) -> Result<Tensor> {
+    let (nh, q_len, dh) = queries.dims3()?;
+    cache.check_chunk(start, q_len)?;
+    let nkv = keys.dim(0)?;
+    let group = nh / nkv;
+    let new_k = keys.to_vec3::<f32>()?;
+    let new_v = values.to_vec3::<f32>()?;
+    if q_len == 1 {
+        for h in 0..nkv {
+            cache
+                .store_mut(layer, h)
+                .push(start, &new_k[h][0], &new_v[h][0]);
+        }
+        let len = start + 1;
+        let (stores, active) = cache.layer(layer);
+        let reads: Vec<Readable> = stores
+            .par_iter()
+            .zip(active)
+            .map(|(s, &a)| s.readable(len, a))
+            .collect();
+        let q: Vec<f32> = queries.flatten_all()?.to_vec1()?;
+        let masks: Vec<Option<Vec<f32>>> = (0..nh)
+            .map(|h| {
+                cache.topk(layer, h).map(|tk| {
+                    let kv = h / group;
+                    let pos = stores[kv].readable_positions(len, active[kv]);
+                    topk_bias(&q[h * dh..(h + 1) * dh], &reads[kv].0, &pos, len - 1, tk)
+                })
+            })
+            .collect();
+        let rows: Vec<KvRows> = reads
+            .iter()
+            .map(|(k, v)| KvRows {
+                keys: k,
+                values: v,
+                len: k.len() / dh,
+            })
+            .collect();
+        let masks: Vec<Option<&[f32]>> = masks.iter().map(|m| m.as_deref()).collect();
+        let (out, _) = decode_rows(&q, dh, &rows, &masks, false);
+        return Ok(Tensor::from_vec(out, (nh, 1, dh), &Device::Cpu)?);
+    }
+    // A prefill chunk: per KV head, the rows stored before it plus the chunk's own.
+    let mut outs = Vec::with_capacity(nkv);
+    let (stores, _) = cache.layer(layer);
+    for (h, store) in stores.iter().enumerate() {
+        let (mut k, mut v, mut pos) = if start == 0 {
+            (Vec::new(), Vec::new(), Vec::new())
+        } else {
+            let (k, v) = store.readable(start, true);
+            (
+                k.into_owned(),
+                v.into_owned(),
+                store.readable_positions(start, true),
+            )
+        };
+        for t in 0..q_len {
+            k.extend_from_slice(&new_k[h][t]);
+            v.extend_from_slice(&new_v[h][t]);
+            pos.push(start + t);
+        }
+        let n = pos.len();
+        let qg = queries.narrow(0, h * group, group)?.contiguous()?;
+        let kt = Tensor::from_vec(k, (1, n, dh), &Device::Cpu)?;
+        let vt = Tensor::from_vec(v, (1, n, dh), &Device::Cpu)?;
+        // A full head's rows are positions `0..start + q` in order: plain causal
+        // attention, by query blocks. A ring (and a tiered head, whose cold rows
+        // follow its ring's) is masked by its rows' positions, one `(q, n)` mask for
+        // every query head of the group.
+        let out = match store.retention {
+            Retention::Full => blocked(&qg, &kt, &vt, start, None, None)?,
+            Retention::Stream { sink, window } => {
+                let mask = ring_mask(&pos, start, q_len, Some((sink, window)))?;
+                batched(&qg, &kt, &vt, None, Some(&mask))?.0
+            }
+            Retention::Tiered { .. } => {
+                let mask = ring_mask(&pos, start, q_len, None)?;
+                batched(&qg, &kt, &vt, None, Some(&mask))?.0
+            }
+        };
+        outs.push(out);
+    }
+    for h in 0..nkv {
+        let store = cache.store_mut(layer, h);
+        for t in 0..q_len {
+            store.push(start + t, &new_k[h][t], &new_v[h][t]);
+        }
+    }
+    Ok(Tensor::cat(&outs, 0)?)
+}
+
+/// The additive mask `(q, n)` of a prefill chunk: query `start + t` sees the key at
+/// `positions[j]` when it is not in the future and, for a ring `(sink, window)`, when it
+/// is a sink position or within the window.
+fn ring_mask(
+    positions: &[usize],
+    start: usize,
+    q: usize,
+    ring: Option<(usize, usize)>,
+) -> Result<Tensor> {
+    let mask: Vec<f32> = (0..q)
+        .flat_map(|t| {
+            let query = start + t;
+            positions.iter().map(move |&p| {
+                let visible =
+                    p <= query && ring.is_none_or(|(sink, window)| p < sink || p + window > query);
+                if visible {
+                    0.0
+                } else {
+                    f32::NEG_INFINITY
+                }
+            })
+        })
+        .collect();
+    Ok(Tensor::from_vec(mask, (q, positions.len()), &Device::Cpu)?)
+}
+
+/// Additive bias over a head's readable rows that keeps the `k` best-scoring keys, the
+/// first `sink` positions and the `window` most recent ones for a query at `query`.
+fn topk_bias(q: &[f32], keys: &[f32], positions: &[usize], query: usize, tk: TopK) -> Vec<f32> {
+    let d = q.len();
+    let protected = |p: usize| p < tk.sink || p + tk.window > query;
+    let mut scores: Vec<(f32, usize)> = positions
+        .iter()
+        .enumerate()
+        .filter(|(_, &p)| !protected(p))
+        .map(|(i, _)| {
+            let k = &keys[i * d..(i + 1) * d];
+            (q.iter().zip(k).map(|(a, b)| a * b).sum::<f32>(), i)
+        })
+        .collect();
+    let mut bias: Vec<f32> = positions
+        .iter()
+        .map(|&p| if protected(p) { 0.0 } else { f32::NEG_INFINITY })
+        .collect();
+    let k = tk.k.min(scores.len());
+    if k > 0 {
+        scores.select_nth_unstable_by(k - 1, |a, b| b.0.total_cmp(&a.0));
+        for &(_, i) in &scores[..k] {
+            bias[i] = 0.0;
+        }
+    }
+    bias
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn topk_keeps_the_best_keys_the_sink_and_the_window() {
+        // query (1, 0); key j scores j's first component
+        let positions: Vec<usize> = (0..8).collect();
+        let scores = [5.0, 0.0, 9.0, 1.0, 8.0, 2.0, 0.0, 0.0];
+        let keys: Vec<f32> = scores.iter().flat_map(|&s| [s, 0.0]).collect();
+        let tk = TopK {
+            k: 2,
+            sink: 1,
+            window: 2,
+        };
+        let bias = topk_bias(&[1.0, 0.0], &keys, &positions, 7, tk);
+        let kept: Vec<usize> = (0..8).filter(|&i| bias[i] == 0.0).collect();
+        assert_eq!(kept, vec![0, 2, 4, 6, 7]);
+    }
+}

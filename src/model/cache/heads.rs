@@ -1,0 +1,198 @@
+//! A KV cache that stores every (layer, KV head) separately ([`HeadStore`]), so that
+//! heads can keep different amounts of history and the memory saved is real.
+//!
+//! Layers with the model's own sliding window (Gemma 3's local layers) always keep just
+//! that window (`Stream { sink: 0, window }`), whatever was asked for them. Besides the
+//! stores the cache holds what the next steps read: which tiered heads read their cold
+//! tier ([`HeadCache::set_active`]) and which query heads are restricted to their top-k
+//! keys ([`TopK`]). The attention that reads it is `crate::model::attention::per_head`.
+
+use serde::{Deserialize, Serialize};
+
+use crate::model::cache::store::{HeadStore, KvBytes, Retention};
+use crate::model::{Config, KvCache};
+use crate::{Error, Result};
+
+/// Restrict a query head, at decode steps, to its `k` highest-scoring keys plus the
+/// first `sink` positions and the `window` most recent ones.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TopK {
+    pub k: usize,
+    pub sink: usize,
+    pub window: usize,
+}
+
+/// Keys and values of every (layer, KV head), each kept as its [`Retention`] says.
+#[derive(Debug, Clone)]
+pub struct HeadCache {
+    /// `layer * n_kv_heads + kv_head`.
+    stores: Vec<HeadStore>,
+    n_kv_heads: usize,
+    n_heads: usize,
+    len: usize,
+    max_len: usize,
+    /// Per store: whether a tiered head reads its cold tier at the next step.
+    active: Vec<bool>,
+    /// Per `layer * n_heads + head`: a top-k restriction at decode steps.
+    topk: Vec<Option<TopK>>,
+    peak: KvBytes,
+}
+
+impl HeadCache {
+    /// An empty cache; `retention` has one entry per `layer * n_kv_heads + kv_head`.
+    /// `capacity` is the expected number of positions (prompt plus new tokens): full
+    /// stores reserve it up front and grow beyond it only if needed.
+    pub fn new(cfg: &Config, retention: &[Retention], capacity: usize) -> Result<Self> {
+        let n = cfg.n_layers * cfg.n_kv_heads;
+        if retention.len() != n {
+            return Err(Error::invalid(
+                "retention",
+                format!("{} entries for {n} KV heads", retention.len()),
+            ));
+        }
+        let capacity = capacity.clamp(1, cfg.context_length);
+        let mut stores = Vec::with_capacity(n);
+        for (i, &r) in retention.iter().enumerate() {
+            let r = match cfg.layer(i / cfg.n_kv_heads).window {
+                Some(window) => Retention::Stream { sink: 0, window },
+                None => r,
+            };
+            if let Retention::Stream { window: 0, .. } | Retention::Tiered { window: 0, .. } = r {
+                return Err(Error::invalid("window", "0 (must be at least 1)"));
+            }
+            stores.push(HeadStore::new(r, cfg.d_head, capacity));
+        }
+        Ok(Self {
+            stores,
+            n_kv_heads: cfg.n_kv_heads,
+            n_heads: cfg.n_heads,
+            len: 0,
+            max_len: cfg.context_length,
+            active: vec![false; n],
+            topk: vec![None; cfg.n_layers * cfg.n_heads],
+            peak: KvBytes::default(),
+        })
+    }
+
+    /// A cache holding what `kv` holds (a prefill run with the plain cache), each head
+    /// then keeping only what its retention allows ("full prefill, then evict").
+    pub fn from_kv(
+        cfg: &Config,
+        kv: &KvCache,
+        retention: &[Retention],
+        capacity: usize,
+    ) -> Result<Self> {
+        let mut cache = Self::new(cfg, retention, capacity)?;
+        let d = cfg.d_head;
+        for layer in 0..cfg.n_layers {
+            let Some((keys, values, start)) = kv.layer_rows(layer)? else {
+                continue;
+            };
+            let (keys, values) = (keys.to_vec3::<f32>()?, values.to_vec3::<f32>()?);
+            for kv_head in 0..cfg.n_kv_heads {
+                let store = &mut cache.stores[layer * cfg.n_kv_heads + kv_head];
+                if start > 0 && !matches!(store.retention, Retention::Stream { sink: 0, .. }) {
+                    return Err(Error::invalid(
+                        "cache",
+                        format!("layer {layer} dropped positions a full store needs"),
+                    ));
+                }
+                for (i, (k, v)) in keys[kv_head].iter().zip(&values[kv_head]).enumerate() {
+                    debug_assert_eq!(k.len(), d);
+                    store.push(start + i, k, v);
+                }
+            }
+        }
+        cache.len = kv.len();
+        cache.peak = cache.bytes();
+        Ok(cache)
+    }
+
+    /// Positions stored so far.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether nothing is stored.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Mark which tiered KV heads read their cold tier at the next steps
+    /// (`layer * n_kv_heads + kv_head`); other heads ignore the flag.
+    pub fn set_active(&mut self, active: &[bool]) -> Result<()> {
+        if active.len() != self.active.len() {
+            return Err(Error::invalid(
+                "active heads",
+                format!("{} flags for {} KV heads", active.len(), self.active.len()),
+            ));
+        }
+        self.active.copy_from_slice(active);
+        Ok(())
+    }
+
+    /// Restrict (layer, query head) at decode steps to its top-k keys (`None`: lift it).
+    pub fn set_topk(&mut self, layer: usize, head: usize, topk: Option<TopK>) -> Result<()> {
+        let n_layers = self.stores.len() / self.n_kv_heads;
+        Error::check_head(layer, head, n_layers, self.n_heads)?;
+        self.topk[layer * self.n_heads + head] = topk;
+        Ok(())
+    }
+
+    /// Bytes allocated now.
+    pub fn bytes(&self) -> KvBytes {
+        self.stores.iter().fold(KvBytes::default(), |acc, s| {
+            let b = s.bytes();
+            KvBytes {
+                hot: acc.hot + b.hot,
+                cold: acc.cold + b.cold,
+            }
+        })
+    }
+
+    /// The largest [`HeadCache::bytes`] seen after any forward step.
+    pub fn peak_bytes(&self) -> KvBytes {
+        self.peak
+    }
+
+    /// Check that a chunk of `q` positions at `start` continues the cache and fits the
+    /// context.
+    pub(crate) fn check_chunk(&self, start: usize, q: usize) -> Result<()> {
+        if start + q > self.max_len {
+            return Err(Error::ContextOverflow {
+                prompt: start + q,
+                max_new: 0,
+                context: self.max_len,
+            });
+        }
+        if start != self.len {
+            return Err(Error::invalid(
+                "cache",
+                format!("chunk at {start}, cache holds {}", self.len),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The stores of `layer` (one per KV head) and whether each reads its cold tier.
+    pub(crate) fn layer(&self, layer: usize) -> (&[HeadStore], &[bool]) {
+        let range = layer * self.n_kv_heads..(layer + 1) * self.n_kv_heads;
+        (&self.stores[range.clone()], &self.active[range])
+    }
+
+    /// The store of (`layer`, `kv_head`), to append to.
+    pub(crate) fn store_mut(&mut self, layer: usize, kv_head: usize) -> &mut HeadStore {
+        &mut self.stores[layer * self.n_kv_heads + kv_head]
+    }
+
+    /// The top-k restriction of (`layer`, query `head`) at decode steps.
+    pub(crate) fn topk(&self, layer: usize, head: usize) -> Option<TopK> {
+        self.topk[layer * self.n_heads + head]
+    }
+
+    /// Advance the length by `q` positions once every layer stored them.
+    pub(crate) fn commit(&mut self, q: usize) {
+        self.len += q;
+        self.peak = self.peak.max(self.bytes());
+    }
+}
