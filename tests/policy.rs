@@ -8,7 +8,9 @@ mod common;
 use std::path::Path;
 
 use candle_core::Tensor;
-use common::{brute_force_logits, tiny_config, tiny_gemma_config, BruteEdits, Weights};
+use common::{
+    brute_force_keys, brute_force_logits, tiny_config, tiny_gemma_config, BruteEdits, Weights,
+};
 use headwise::model::{
     generate as plain_generate, Config, GenerateOptions, Interventions, Model, ModelId, NoObserver,
     Numerics,
@@ -203,6 +205,94 @@ fn streaming_heads_match_the_brute_force_with_a_sink_and_window() {
             );
             let gap = row_diff(&rows(&full), &want);
             assert!(gap > 1e-3, "{prefill}: the window must matter ({gap})");
+        }
+    }
+}
+
+#[test]
+fn knorm_keeps_the_smallest_keys_and_matches_the_brute_force() {
+    // Pressed: the prompt but its last token, or a context of 12 tokens whose question
+    // (the next 5) then runs over what the press kept.
+    for (cfg, context) in [
+        (tiny_config(), None),
+        (tiny_gemma_config(), None),
+        (tiny_config(), Some(12)),
+        (tiny_gemma_config(), Some(12)),
+    ] {
+        let w = Weights::random(cfg.clone(), 19);
+        let model = w.model(Numerics::Fast);
+        let policy = "type = \"knorm\"\ncompression_ratio = 0.5";
+        let p = plan(&model, policy, Path::new("."));
+        let opts = GenerateOptions {
+            context_len: context,
+            ..opts()
+        };
+        let mut got = Vec::new();
+        let g = generate(&model, &p, PROMPT, &opts, None, None, &mut |_, l, _| {
+            got.push(l.clone());
+            true
+        })
+        .unwrap();
+        // The prompt is prefilled in full up to `pressed`, then each KV head of a global
+        // layer keeps the floor(pressed / 2) positions with the smallest key norms,
+        // computed here from the brute force's keys.
+        let pressed = context.unwrap_or(PROMPT.len() - 1);
+        let keep = pressed / 2;
+        let keys = brute_force_keys(&w, &PROMPT[..pressed]);
+        let (dh, group) = (cfg.d_head, cfg.n_heads / cfg.n_kv_heads);
+        let kept: Vec<Vec<Vec<usize>>> = keys
+            .iter()
+            .map(|layer| {
+                (0..cfg.n_kv_heads)
+                    .map(|kv| {
+                        let norm = |p: usize| {
+                            let k = &layer[p][kv * dh..(kv + 1) * dh];
+                            k.iter().map(|&x| x as f64 * x as f64).sum::<f64>().sqrt()
+                        };
+                        let mut order: Vec<usize> = (0..pressed).collect();
+                        order.sort_by(|&a, &b| norm(a).total_cmp(&norm(b)));
+                        // The choice must not hang on rounding: a clear gap at the cut.
+                        let gap = norm(order[keep]) - norm(order[keep - 1]);
+                        assert!(gap > 1e-4 * norm(order[keep]), "gap {gap}");
+                        order[..keep].to_vec()
+                    })
+                    .collect()
+            })
+            .collect();
+        let visible = |l: usize, h: usize, q: usize, k: usize| {
+            q < pressed
+                || k >= pressed
+                || cfg.layer(l).window.is_some()
+                || kept[l][h / group].contains(&k)
+        };
+        let mut seq = PROMPT.to_vec();
+        seq.extend(&g.generation.tokens[..NEW - 1]);
+        let brute = BruteEdits {
+            visible: &visible,
+            output: &|_, _| None,
+        };
+        let want = brute_force_logits(&w, &seq, &brute)[PROMPT.len() - 1..].to_vec();
+        let what = format!("{:?} context {context:?}", cfg.architecture);
+        let d = row_diff(&rows(&got), &want);
+        assert!(d < 1e-4, "{what}: {d}");
+        // the eviction matters, and gives memory back
+        let (full, full_logits) = run(
+            &model,
+            &plan(&model, "type = \"full\"", Path::new(".")),
+            None,
+        );
+        let gap = row_diff(&rows(&full_logits), &want);
+        assert!(gap > 1e-3, "{what}: the press must matter ({gap})");
+        assert!(g.kv.end.hot < full.kv.end.hot, "{what}");
+        if cfg.sliding_window.is_none() {
+            // By hand: every store reallocated to its kept rows plus room for the
+            // positions still to come, keys and values of f32.
+            let rows = keep + (PROMPT.len() + NEW - pressed);
+            assert_eq!(
+                g.kv.end.hot,
+                cfg.n_layers * cfg.n_kv_heads * rows * dh * 2 * 4,
+                "{what}"
+            );
         }
     }
 }

@@ -166,6 +166,7 @@ fn instrumented(
         max_new: args.max_tokens,
         sampling,
         stop: lm.special.stop.clone(),
+        context_len: None,
     };
     let mut stream = TextStream::default();
     let mut stdout = std::io::stdout().lock();

@@ -121,6 +121,11 @@ pub struct GenerateOptions {
     /// Token ids that end the generation (EOS, end of turn); the stop token is kept in
     /// the output.
     pub stop: Vec<u32>,
+    /// The prompt's first `n` tokens are its context, the rest its question. A
+    /// token-eviction policy then presses the context alone and runs the question over
+    /// what it kept (kvpress's query-agnostic protocol); `None`: it presses the whole
+    /// prompt but its last token. Other policies and plain generation ignore it.
+    pub context_len: Option<usize>,
 }
 
 impl GenerateOptions {

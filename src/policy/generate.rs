@@ -153,25 +153,53 @@ pub fn generate(
     let mut sampler = Sampler::new(opts.sampling)?;
     let capacity = prompt.len() + opts.max_new;
     let t0 = Instant::now();
+    // With a shared prefill, its time counts as this run's prefill.
+    let mut shared_secs = 0.0;
     let (mut session, mut hidden, prefill_peak) = match plan.prefill {
         Prefill::FullThenEvict => {
+            // A press with a context: prefill the context alone (the shared prefill is
+            // of the whole prompt), press it, then run the question over what it kept.
+            let context = match (&plan.evict, opts.context_len) {
+                (Some(_), Some(c)) if c > 0 && c < prompt.len() - 1 => Some(c),
+                _ => None,
+            };
             let own;
-            let pre = match prefilled {
-                Some(p) if p.prompt == prompt && p.edits == plan.edits => p,
-                Some(_) => {
+            let pre = match (prefilled, context) {
+                (Some(p), None) if p.prompt == prompt && p.edits == plan.edits => {
+                    shared_secs = p.secs;
+                    p
+                }
+                (Some(_), None) => {
                     return Err(Error::invalid(
                         "prefill",
                         "shared for another prompt or other edits",
                     ))
                 }
-                None => {
+                (_, Some(c)) => {
+                    own = Prefilled::run(model, &plan.edits, &prompt[..c + 1], capacity)?;
+                    &own
+                }
+                (None, None) => {
                     own = Prefilled::run(model, &plan.edits, prompt, capacity)?;
                     &own
                 }
             };
-            let cache = HeadCache::from_kv(cfg, &pre.kv, &plan.retention, capacity)?;
-            let peak = pre.bytes() + cache.bytes().total();
-            (Session::with_cache(model, cache), pre.hidden.clone(), peak)
+            let mut cache = HeadCache::from_kv(cfg, &pre.kv, &plan.retention, capacity)?;
+            let mut peak = pre.bytes() + cache.bytes().total();
+            if let Some(eviction) = &plan.evict {
+                eviction.press(&mut cache, cfg)?;
+            }
+            let mut session = Session::with_cache(model, cache);
+            let hidden = match context {
+                Some(c) => {
+                    let mut obs = LastHidden::new(true);
+                    session.prefill(&prompt[c..prompt.len() - 1], &mut obs, &plan.edits)?;
+                    peak = peak.max(session.cache().peak_bytes().total());
+                    obs.hidden
+                }
+                None => pre.hidden.clone(),
+            };
+            (session, hidden, peak)
         }
         Prefill::Stream => {
             let cache = HeadCache::new(cfg, &plan.retention, capacity)?;
@@ -184,11 +212,6 @@ pub fn generate(
             let peak = session.cache().peak_bytes().total();
             (session, obs.hidden, peak)
         }
-    };
-    // With a shared prefill, its time counts as this run's prefill.
-    let shared_secs = match (plan.prefill, prefilled) {
-        (Prefill::FullThenEvict, Some(p)) => p.secs,
-        _ => 0.0,
     };
     for &(layer, head, tk) in &plan.topk {
         session.cache_mut().set_topk(layer, head, Some(tk))?;

@@ -5,6 +5,7 @@
 //!
 //! - [`presses`]: the policies, one file each, and their registry (the TOML `type`s);
 //! - [`select`]: how head-level policies score and pick heads (shared by all of them);
+//! - [`evict`]: how token-eviction policies score positions and keep the best;
 //! - [`config`]: reading a policy (TOML, environment, overrides) and checking it once
 //!   into a [`Policy`];
 //! - [`plan`]: a policy resolved against one model;
@@ -15,6 +16,7 @@
 
 pub mod ablation;
 pub mod config;
+pub mod evict;
 pub mod generate;
 pub mod plan;
 pub mod presses;

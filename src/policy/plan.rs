@@ -9,6 +9,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::model::{Config, Interventions, ModelId, Retention, TopK};
 use crate::policy::config::Policy;
+use crate::policy::evict::Eviction;
 use crate::policy::presses::Target;
 use crate::policy::select::{Chosen, Gqa};
 use crate::probe::Probe;
@@ -57,6 +58,8 @@ pub struct Plan {
     pub edits: Interventions,
     pub prefill: Prefill,
     pub dynamic: Option<Dynamic>,
+    /// Token eviction after the prompt's prefill.
+    pub evict: Option<Eviction>,
     n_heads: usize,
     n_kv_heads: usize,
     /// Per KV head: whether its layer has no sliding window of its own (the heads a
@@ -78,6 +81,7 @@ impl Plan {
             edits: Interventions::new(),
             prefill: Prefill::Stream,
             dynamic: None,
+            evict: None,
             n_heads: cfg.n_heads,
             n_kv_heads: cfg.n_kv_heads,
             candidates,

@@ -250,6 +250,7 @@ impl Runtime {
         let opts = GenerateOptions {
             max_new: request.max_tokens,
             sampling: request.sampling,
+            context_len: None,
             stop: if request.ignore_eos {
                 Vec::new()
             } else {

@@ -262,6 +262,21 @@ fn gelu(x: f64) -> f64 {
 
 /// Logits `(tokens.len(), vocab)` computed by plain loops, one position at a time.
 pub fn brute_force_logits(w: &Weights, tokens: &[u32], edits: &BruteEdits) -> Vec<Vec<f32>> {
+    brute_force(w, tokens, edits).0
+}
+
+/// Keys after RoPE of every layer and position, `[layer][position]` of
+/// `n_kv_heads * d_head` values, from the plain-loop pass with full attention.
+pub fn brute_force_keys(w: &Weights, tokens: &[u32]) -> Vec<Vec<Vec<f32>>> {
+    brute_force(w, tokens, &no_edits()).1
+}
+
+/// The plain-loop pass: logits and the keys of every layer.
+fn brute_force(
+    w: &Weights,
+    tokens: &[u32],
+    edits: &BruteEdits,
+) -> (Vec<Vec<f32>>, Vec<Vec<Vec<f32>>>) {
     let cfg = &w.cfg;
     let (d, dh, nh, nkv) = (cfg.d_model, cfg.d_head, cfg.n_heads, cfg.n_kv_heads);
     let group = nh / nkv;
@@ -276,6 +291,7 @@ pub fn brute_force_logits(w: &Weights, tokens: &[u32], edits: &BruteEdits) -> Ve
                 .collect()
         })
         .collect();
+    let mut all_keys = Vec::with_capacity(w.layers.len());
     for (l, lw) in w.layers.iter().enumerate() {
         // Gemma 3 here: every `global_every`-th layer global, the rest windowed.
         let (base, window) = match cfg.sliding_window {
@@ -310,6 +326,7 @@ pub fn brute_force_logits(w: &Weights, tokens: &[u32], edits: &BruteEdits) -> Ve
             ks.push(k);
             vs.push(matvec(&lw.wv, h, nkv * dh));
         }
+        all_keys.push(ks.clone());
         for p in 0..tokens.len() {
             let mut concat = vec![0f32; nh * dh];
             for head in 0..nh {
@@ -381,12 +398,14 @@ pub fn brute_force_logits(w: &Weights, tokens: &[u32], edits: &BruteEdits) -> Ve
             }
         }
     }
-    xs.iter()
+    let logits = xs
+        .iter()
         .map(|x| {
             let h = rmsnorm(x, &w.final_norm, cfg.rms_eps);
             matvec(&w.embed, &h, cfg.vocab_size)
         })
-        .collect()
+        .collect();
+    (logits, all_keys)
 }
 
 /// Largest absolute difference between a `(n, vocab)` tensor and rows of a table.

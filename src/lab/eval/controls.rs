@@ -178,6 +178,7 @@ pub fn pool(kind: ControlKind, enc: &Encoder, n: usize, seed: u64) -> Result<Vec
                 prompt,
                 answers: item.answers,
                 support: Vec::new(),
+                question_start: None,
             })
         })
         .collect()

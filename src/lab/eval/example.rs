@@ -27,6 +27,10 @@ pub struct Example {
     /// Token spans inside `prompt` that hold the supporting facts (the needle, the
     /// supporting sentences or paragraphs); empty for closed-book items.
     pub support: Vec<Range<usize>>,
+    /// Where the question starts in `prompt` (the context before it is what a
+    /// query-agnostic press compresses); `None` where the task does not say.
+    #[serde(default)]
+    pub question_start: Option<usize>,
 }
 
 impl Example {
@@ -39,6 +43,7 @@ impl Example {
             prompt: t.prompt.clone(),
             answers: vec![t.answer.clone()],
             support: vec![t.needle.clone()],
+            question_start: Some(t.question_start),
         }
     }
 }

@@ -327,6 +327,7 @@ pub fn run(
             let t0 = Instant::now();
             let opts = GenerateOptions {
                 max_new,
+                context_len: ex.question_start,
                 stop: if fixed.is_some() {
                     Vec::new()
                 } else {

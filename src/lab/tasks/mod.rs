@@ -87,6 +87,10 @@ pub struct Trial {
     pub prompt: Vec<u32>,
     /// Token span `[start, end)` of the needle sentence inside `prompt`.
     pub needle: Range<usize>,
+    /// Where the question (`\n\nQuestion: ...\nAnswer:`) starts in `prompt`: the
+    /// context before it is what a query-agnostic press compresses.
+    #[serde(default)]
+    pub question_start: usize,
     /// Haystack tokens before the needle (the needle's depth in tokens, after snapping to
     /// a sentence boundary): `haystack_before / context_tokens` is the placed depth.
     pub haystack_before: usize,
@@ -366,6 +370,7 @@ fn assemble(
     for piece in &window.pieces[at..] {
         prompt.extend_from_slice(piece);
     }
+    let question_start = prompt.len();
     prompt.extend_from_slice(&suffix);
     let answer_tokens = enc.encode(&format!(" {}", needle.answer))?;
     if prompt.len() + answer_tokens.len() > enc.max_context() {
@@ -383,6 +388,7 @@ fn assemble(
         seed,
         prompt,
         needle: needle_span,
+        question_start,
         haystack_before: before,
         needle_text: needle.sentence.clone(),
         question: needle.question.clone(),
@@ -623,6 +629,7 @@ mod tests {
             seed: 0,
             prompt: vec![1, 2, 3],
             needle: 1..2,
+            question_start: 2,
             haystack_before: 0,
             needle_text: "x".into(),
             question: "y".into(),

@@ -90,17 +90,18 @@ pub(crate) fn per_head(
         let qg = queries.narrow(0, h * group, group)?.contiguous()?;
         let kt = Tensor::from_vec(k, (1, n, dh), &Device::Cpu)?;
         let vt = Tensor::from_vec(v, (1, n, dh), &Device::Cpu)?;
-        // A full head's rows are positions `0..start + q` in order: plain causal
-        // attention, by query blocks. A ring (and a tiered head, whose cold rows
+        // A full head's rows are positions `0..start + q` in order (unless a press
+        // evicted from it): plain causal attention, by query blocks. A ring (and a tiered head, whose cold rows
         // follow its ring's) is masked by its rows' positions, one `(q, n)` mask for
         // every query head of the group.
         let out = match store.retention {
-            Retention::Full => blocked(&qg, &kt, &vt, start, None, None)?,
+            Retention::Full if !store.is_pressed() => blocked(&qg, &kt, &vt, start, None, None)?,
             Retention::Stream { sink, window } => {
                 let mask = ring_mask(&pos, start, q_len, Some((sink, window)))?;
                 batched(&qg, &kt, &vt, None, Some(&mask))?.0
             }
-            Retention::Tiered { .. } => {
+            // A pressed store's rows, like a tiered head's, are masked by position only.
+            Retention::Full | Retention::Tiered { .. } => {
                 let mask = ring_mask(&pos, start, q_len, None)?;
                 batched(&qg, &kt, &vt, None, Some(&mask))?.0
             }

@@ -30,6 +30,8 @@ pub struct HeadCache {
     n_kv_heads: usize,
     n_heads: usize,
     len: usize,
+    /// Positions the stores were sized for (prompt plus new tokens).
+    capacity: usize,
     max_len: usize,
     /// Per store: whether a tiered head reads its cold tier at the next step.
     active: Vec<bool>,
@@ -67,6 +69,7 @@ impl HeadCache {
             n_kv_heads: cfg.n_kv_heads,
             n_heads: cfg.n_heads,
             len: 0,
+            capacity,
             max_len: cfg.context_length,
             active: vec![false; n],
             topk: vec![None; cfg.n_layers * cfg.n_heads],
@@ -136,6 +139,27 @@ impl HeadCache {
         let n_layers = self.stores.len() / self.n_kv_heads;
         Error::check_head(layer, head, n_layers, self.n_heads)?;
         self.topk[layer * self.n_heads + head] = topk;
+        Ok(())
+    }
+
+    /// Keys `(rows, d_head)` row-major that (`layer`, `kv_head`) holds (after RoPE), and
+    /// the position each row holds; `None` unless the store keeps every position (the
+    /// stores a press may evict from).
+    pub fn full_store_keys(&self, layer: usize, kv_head: usize) -> Option<(&[f32], Vec<usize>)> {
+        let store = self.stores.get(layer * self.n_kv_heads + kv_head)?;
+        (store.retention == Retention::Full).then(|| store.keys())
+    }
+
+    /// Keep only rows `rows` (ascending indices into [`HeadCache::full_store_keys`]) of
+    /// the full store (`layer`, `kv_head`), with room for the positions still to come:
+    /// a press's eviction, between the prefill and the first decode step. The peak
+    /// restarts from what is resident after it (the prefill reports its own).
+    pub fn keep(&mut self, layer: usize, kv_head: usize, rows: &[usize]) -> Result<()> {
+        let n_layers = self.stores.len() / self.n_kv_heads;
+        Error::check_head(layer, kv_head, n_layers, self.n_kv_heads)?;
+        let room = self.capacity.saturating_sub(self.len);
+        self.stores[layer * self.n_kv_heads + kv_head].keep(rows, room)?;
+        self.peak = self.bytes();
         Ok(())
     }
 

@@ -23,6 +23,8 @@ use std::borrow::Cow;
 use half::f16;
 use serde::{Deserialize, Serialize};
 
+use crate::{Error, Result};
+
 /// How one KV head keeps its history.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Retention {
@@ -163,6 +165,10 @@ pub(crate) struct HeadStore {
     values: Vec<f32>,
     /// Tiered heads: every position, compressed.
     cold: Option<(ColdRows, ColdRows)>,
+    /// A full store a press evicted from: the position each row holds (the rows it
+    /// kept, then every position appended after). `None`: row `i` holds what the
+    /// retention's arithmetic says.
+    kept: Option<Vec<usize>>,
 }
 
 impl HeadStore {
@@ -186,6 +192,7 @@ impl HeadStore {
             keys: Vec::with_capacity(rows * d),
             values: Vec::with_capacity(rows * d),
             cold,
+            kept: None,
         }
     }
 
@@ -210,8 +217,17 @@ impl HeadStore {
             ck.push(k);
             cv.push(v);
         }
-        let slot = match self.ring() {
-            Some((sink, window)) if pos >= sink => sink + (pos - sink) % window,
+        let rows = self.rows();
+        let slot = match (&mut self.kept, self.retention) {
+            (Some(kept), _) => {
+                kept.push(pos);
+                rows
+            }
+            (None, Retention::Stream { sink, window } | Retention::Tiered { sink, window, .. })
+                if pos >= sink =>
+            {
+                sink + (pos - sink) % window
+            }
             _ => pos,
         };
         let d = self.d;
@@ -228,6 +244,9 @@ impl HeadStore {
 
     /// Absolute position of every filled row when `len` positions were stored.
     fn positions(&self, len: usize) -> Vec<usize> {
+        if let Some(kept) = &self.kept {
+            return kept.clone();
+        }
         let rows = self.rows();
         match self.ring() {
             None => (0..rows).collect(),
@@ -276,6 +295,46 @@ impl HeadStore {
         positions
     }
 
+    /// Whether a press evicted from this store (its rows are not positions in order).
+    pub(crate) fn is_pressed(&self) -> bool {
+        self.kept.is_some()
+    }
+
+    /// Keys `(rows, d)` row-major as stored, and the position each row holds.
+    pub(crate) fn keys(&self) -> (&[f32], Vec<usize>) {
+        (&self.keys, self.positions(self.rows()))
+    }
+
+    /// Keep only rows `rows` (ascending) of a full store, with room for `room` more
+    /// positions: a press's eviction. The buffers are reallocated at their new size, so
+    /// the memory is given back.
+    pub(crate) fn keep(&mut self, rows: &[usize], room: usize) -> Result<()> {
+        if self.retention != Retention::Full {
+            return Err(Error::invalid(
+                "press",
+                "only a store that keeps every position can be pressed",
+            ));
+        }
+        let (d, held) = (self.d, self.rows());
+        if rows.windows(2).any(|w| w[0] >= w[1]) || rows.last().is_some_and(|&r| r >= held) {
+            return Err(Error::invalid(
+                "press",
+                format!("rows to keep must ascend within the {held} stored"),
+            ));
+        }
+        let positions = self.positions(held);
+        let mut keys = Vec::with_capacity((rows.len() + room) * d);
+        let mut values = Vec::with_capacity((rows.len() + room) * d);
+        let mut kept = Vec::with_capacity(rows.len() + room);
+        for &r in rows {
+            keys.extend_from_slice(&self.keys[r * d..(r + 1) * d]);
+            values.extend_from_slice(&self.values[r * d..(r + 1) * d]);
+            kept.push(positions[r]);
+        }
+        (self.keys, self.values, self.kept) = (keys, values, Some(kept));
+        Ok(())
+    }
+
     pub(crate) fn bytes(&self) -> KvBytes {
         KvBytes {
             hot: (self.keys.capacity() + self.values.capacity()) * 4,
@@ -309,6 +368,30 @@ mod tests {
             assert_eq!(held, want, "len {len}");
         }
         assert_eq!(s.keys.capacity(), 5 * 2);
+    }
+
+    #[test]
+    fn a_pressed_store_keeps_its_rows_and_appends_after_them() {
+        let mut s = store(Retention::Full);
+        for pos in 0..6 {
+            s.push(pos, &[pos as f32, 0.0], &[0.0, pos as f32]);
+        }
+        s.keep(&[1, 4], 2).unwrap();
+        s.push(6, &[6.0, 0.0], &[0.0, 6.0]);
+        let (keys, positions) = s.keys();
+        assert_eq!(positions, vec![1, 4, 6]);
+        assert_eq!(keys, &[1.0, 0.0, 4.0, 0.0, 6.0, 0.0]);
+        assert_eq!(s.values, vec![0.0, 1.0, 0.0, 4.0, 0.0, 6.0]);
+        // reallocated: 2 kept + 2 to come, keys and values, 2 floats each
+        assert_eq!(s.bytes().hot, (2 + 2) * 2 * 2 * 4);
+        // a pressed store is pressed again by row, a ring never
+        s.keep(&[0, 2], 0).unwrap();
+        assert_eq!(s.keys().1, vec![1, 6]);
+        assert!(s.keep(&[2, 1], 0).is_err());
+        assert!(s.keep(&[5], 0).is_err());
+        let mut ring = store(Retention::Stream { sink: 1, window: 2 });
+        ring.push(0, &[0.0, 0.0], &[0.0, 0.0]);
+        assert!(ring.keep(&[0], 0).is_err());
     }
 
     #[test]

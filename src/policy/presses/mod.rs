@@ -119,6 +119,8 @@ registry! {
     topk_mask => TopkMask,
     /// Chosen heads are silenced.
     ablate => Ablate,
+    /// Every KV head keeps the prompt positions with the smallest key norms.
+    knorm => Knorm,
     /// Several policies at once.
     compose => Compose,
 }

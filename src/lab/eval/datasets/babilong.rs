@@ -176,6 +176,7 @@ pub fn load(
                     prompt: placed.prompt,
                     answers: vec![q.answer.clone()],
                     support: placed.support,
+                    question_start: None,
                 }),
                 Err(reason) => loaded.skipped.push(Skipped {
                     file: file.clone(),

@@ -30,7 +30,7 @@ use std::path::Path;
 
 use serde::Deserialize;
 
-use super::{empty_field, load_jsonl, reading_prompt, Loaded};
+use super::{empty_field, load_jsonl, question_suffix, reading_prompt, Loaded};
 use crate::lab::eval::Example;
 use crate::lab::tasks::Encoder;
 use crate::Result;
@@ -118,6 +118,8 @@ fn example(row: Row, enc: &Encoder) -> Result<std::result::Result<Example, Strin
         }
     }
     support.sort_by_key(|s| s.start);
+    // The question suffix was tokenized on its own, last.
+    let question_start = prompt.len() - enc.encode(&question_suffix(&row.question))?.len();
     Ok(Ok(Example {
         id: row.id,
         task: TASK.to_string(),
@@ -125,6 +127,7 @@ fn example(row: Row, enc: &Encoder) -> Result<std::result::Result<Example, Strin
         prompt,
         answers: vec![row.answer.trim().to_string()],
         support,
+        question_start: Some(question_start),
     }))
 }
 

@@ -23,7 +23,7 @@ use std::path::Path;
 
 use serde::Deserialize;
 
-use super::{empty_field, load_jsonl, reading_prompt, Loaded};
+use super::{empty_field, load_jsonl, question_suffix, reading_prompt, Loaded};
 use crate::lab::eval::Example;
 use crate::lab::tasks::Encoder;
 use crate::Result;
@@ -94,6 +94,8 @@ fn example(row: Row, enc: &Encoder) -> Result<std::result::Result<Example, Strin
             answers.push(alias.to_string());
         }
     }
+    // The question suffix was tokenized on its own, last.
+    let question_start = prompt.len() - enc.encode(&question_suffix(&row.question))?.len();
     Ok(Ok(Example {
         id: row.id,
         task: TASK.to_string(),
@@ -101,6 +103,7 @@ fn example(row: Row, enc: &Encoder) -> Result<std::result::Result<Example, Strin
         prompt,
         answers,
         support,
+        question_start: Some(question_start),
     }))
 }
 

@@ -1,0 +1,90 @@
+//! `knorm`: every KV head keeps the prompt positions whose keys have the smallest L2
+//! norm (Devoto et al. 2024, "A Simple and Effective L2 Norm-Based Strategy for KV
+//! Cache Compression"; kvpress's `KnormPress`, the weak baseline of its leaderboard).
+//! The prompt is prefilled in full; then each KV head of a layer without a window of its
+//! own drops `compression_ratio` of the positions it holds, and decoding continues over
+//! what is left. The score needs neither queries nor attention, so it is the same
+//! whichever query follows.
+//!
+//! Protocol: the whole prompt but its last token is pressed (the question included,
+//! when the prompt ends with one), not kvpress's query-agnostic split where only the
+//! context is pressed and the question is appended after.
+//!
+//! ```toml
+//! type = "knorm"
+//! compression_ratio = 0.5
+//! ```
+
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+use crate::policy::evict::{Eviction, TokenScorer};
+use crate::policy::plan::{Plan, Prefill};
+use crate::policy::presses::{Press, Target};
+use crate::{Error, Result};
+
+/// The `knorm` policy's keys.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Knorm {
+    /// Share of each KV head's prompt positions dropped, in `(0, 1)`.
+    pub compression_ratio: f64,
+}
+
+impl Press for Knorm {
+    fn check(&self) -> Result<()> {
+        check_ratio(self.compression_ratio)
+    }
+
+    fn apply(&self, plan: &mut Plan, _target: &Target<'_>) -> Result<()> {
+        plan.prefill = Prefill::FullThenEvict;
+        plan.evict = Some(Eviction {
+            compression_ratio: self.compression_ratio,
+            scorer: Arc::new(KeyNorm),
+        });
+        Ok(())
+    }
+
+    fn sets_retention(&self) -> bool {
+        true
+    }
+}
+
+/// A compression ratio is the share dropped: strictly between 0 and 1.
+pub(crate) fn check_ratio(ratio: f64) -> Result<()> {
+    if !(ratio > 0.0 && ratio < 1.0) {
+        return Err(Error::invalid(
+            "compression_ratio",
+            format!("{ratio} (must be in (0, 1))"),
+        ));
+    }
+    Ok(())
+}
+
+/// Minus the key's L2 norm: the smallest norms score highest.
+#[derive(Debug)]
+struct KeyNorm;
+
+impl TokenScorer for KeyNorm {
+    fn score(&self, keys: &[f32], d_head: usize) -> Vec<f32> {
+        keys.chunks_exact(d_head)
+            .map(|k| -(k.iter().map(|&x| x as f64 * x as f64).sum::<f64>().sqrt() as f32))
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn small_keys_score_highest_and_ratios_stay_inside_zero_and_one() {
+        let keys = [3.0, 4.0, 0.0, 1.0, 1.0, 1.0];
+        assert_eq!(KeyNorm.score(&keys, 2), vec![-5.0, -1.0, -(2f32.sqrt())]);
+        for bad in [0.0, 1.0, -0.5, f64::NAN] {
+            assert!(check_ratio(bad).is_err(), "{bad}");
+        }
+        assert!(check_ratio(0.75).is_ok());
+    }
+}
