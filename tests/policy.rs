@@ -295,6 +295,23 @@ fn knorm_keeps_the_smallest_keys_and_matches_the_brute_force() {
             );
         }
     }
+    // A context that leaves no question, or none at all, is refused before any token.
+    let model = Weights::random(tiny_config(), 19).model(Numerics::Fast);
+    let p = plan(
+        &model,
+        "type = \"knorm\"\ncompression_ratio = 0.5",
+        Path::new("."),
+    );
+    for bad in [0, PROMPT.len()] {
+        let opts = GenerateOptions {
+            context_len: Some(bad),
+            ..opts()
+        };
+        let err = generate(&model, &p, PROMPT, &opts, None, None, &mut |_, _, _| true)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("context_len"), "{bad}: {err}");
+    }
 }
 
 #[test]

@@ -2,8 +2,9 @@
 //! position a KV head stores a score ([`TokenScorer`]), and one selector keeps the
 //! highest-scoring `floor(n * (1 - compression_ratio))` of its `n` rows
 //! ([`Eviction::press`]). Each KV head keeps its own positions, in its own store, so the
-//! memory given back is real. It runs between the prompt's prefill (in full) and the
-//! first decode step.
+//! memory given back is real. It runs after a full prefill of what is pressed: the
+//! context, when the request says where its question starts (then the question runs
+//! over what was kept), else the whole prompt but its last token.
 
 use std::fmt;
 use std::sync::Arc;

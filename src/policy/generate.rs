@@ -122,7 +122,8 @@ pub struct PolicyGeneration {
 }
 
 /// Generate from `prompt` under `plan`. A `full_then_evict` plan reuses `prefilled`
-/// when given (it must be of the same prompt), else prefills itself. `oracle_labels`
+/// when given (it must be of the same prompt), else prefills itself; a plan that
+/// presses only the context (`opts.context_len`) always prefills that context itself. `oracle_labels`
 /// (per step, `layer * n_heads + head`, 1 = retrieval head) drive an oracle plan (and
 /// only an oracle plan: other plans ignore them).
 /// `on_token` sees each token with its logits `(1, vocab)` and the resident KV bytes
@@ -160,7 +161,14 @@ pub fn generate(
             // A press with a context: prefill the context alone (the shared prefill is
             // of the whole prompt), press it, then run the question over what it kept.
             let context = match (&plan.evict, opts.context_len) {
-                (Some(_), Some(c)) if c > 0 && c < prompt.len() - 1 => Some(c),
+                (Some(_), Some(c)) if c == 0 || c >= prompt.len() => {
+                    return Err(Error::invalid(
+                        "context_len",
+                        format!("{c} (must be in 1..{} for this prompt)", prompt.len()),
+                    ))
+                }
+                // A question of one token: the whole prompt but its last token is pressed.
+                (Some(_), Some(c)) if c < prompt.len() - 1 => Some(c),
                 _ => None,
             };
             let own;

@@ -147,8 +147,11 @@ impl Plan {
         self.candidates.iter().filter(|&&c| c).count()
     }
 
-    /// KV heads that keep their whole history in the hot tier.
+    /// KV heads that keep their whole history in the hot tier (none under a press).
     pub fn full_kv_heads(&self) -> usize {
+        if self.evict.is_some() {
+            return 0;
+        }
         self.retention
             .iter()
             .zip(&self.candidates)

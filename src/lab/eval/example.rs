@@ -43,7 +43,7 @@ impl Example {
             prompt: t.prompt.clone(),
             answers: vec![t.answer.clone()],
             support: vec![t.needle.clone()],
-            question_start: Some(t.question_start),
+            question_start: t.question_start,
         }
     }
 }

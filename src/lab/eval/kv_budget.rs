@@ -309,7 +309,12 @@ pub fn run(
         }
         let max_new = fixed.unwrap_or(spec.max_new);
         let capacity = ex.prompt.len() + max_new;
-        let shares = |p: &Plan| p.prefill == Prefill::FullThenEvict && p.edits.is_empty();
+        // A press given the question's start prefills the context alone, not shared.
+        let shares = |p: &Plan| {
+            p.prefill == Prefill::FullThenEvict
+                && p.edits.is_empty()
+                && (p.evict.is_none() || ex.question_start.is_none())
+        };
         let shared = todo
             .iter()
             .any(|(_, p)| shares(p))

@@ -88,9 +88,10 @@ pub struct Trial {
     /// Token span `[start, end)` of the needle sentence inside `prompt`.
     pub needle: Range<usize>,
     /// Where the question (`\n\nQuestion: ...\nAnswer:`) starts in `prompt`: the
-    /// context before it is what a query-agnostic press compresses.
+    /// context before it is what a query-agnostic press compresses (`None` in trials
+    /// recorded before it was).
     #[serde(default)]
-    pub question_start: usize,
+    pub question_start: Option<usize>,
     /// Haystack tokens before the needle (the needle's depth in tokens, after snapping to
     /// a sentence boundary): `haystack_before / context_tokens` is the placed depth.
     pub haystack_before: usize,
@@ -388,7 +389,7 @@ fn assemble(
         seed,
         prompt,
         needle: needle_span,
-        question_start,
+        question_start: Some(question_start),
         haystack_before: before,
         needle_text: needle.sentence.clone(),
         question: needle.question.clone(),
@@ -629,7 +630,7 @@ mod tests {
             seed: 0,
             prompt: vec![1, 2, 3],
             needle: 1..2,
-            question_start: 2,
+            question_start: Some(2),
             haystack_before: 0,
             needle_text: "x".into(),
             question: "y".into(),

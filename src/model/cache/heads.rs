@@ -147,7 +147,7 @@ impl HeadCache {
     /// stores a press may evict from).
     pub fn full_store_keys(&self, layer: usize, kv_head: usize) -> Option<(&[f32], Vec<usize>)> {
         let store = self.stores.get(layer * self.n_kv_heads + kv_head)?;
-        (store.retention == Retention::Full).then(|| store.keys())
+        (store.retention == Retention::Full).then(|| store.keys(self.len))
     }
 
     /// Keep only rows `rows` (ascending indices into [`HeadCache::full_store_keys`]) of
@@ -174,7 +174,8 @@ impl HeadCache {
         })
     }
 
-    /// The largest [`HeadCache::bytes`] seen after any forward step.
+    /// The largest [`HeadCache::bytes`] seen after any forward step since the cache was
+    /// made or last pressed ([`HeadCache::keep`]).
     pub fn peak_bytes(&self) -> KvBytes {
         self.peak
     }

@@ -6,9 +6,12 @@
 //! what is left. The score needs neither queries nor attention, so it is the same
 //! whichever query follows.
 //!
-//! Protocol: the whole prompt but its last token is pressed (the question included,
-//! when the prompt ends with one), not kvpress's query-agnostic split where only the
-//! context is pressed and the question is appended after.
+//! Protocol: when the request says where its question starts
+//! ([`crate::model::GenerateOptions::context_len`]; the eval harness does for NIAH,
+//! HotpotQA and MuSiQue), the context alone is prefilled and pressed and the question
+//! runs over what was kept: kvpress's query-agnostic protocol. Otherwise (`Runtime`,
+//! `serve`, `generate`) the whole prompt but its last token is pressed, the question
+//! and the chat template's tail included.
 //!
 //! ```toml
 //! type = "knorm"
