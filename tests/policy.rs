@@ -132,6 +132,13 @@ fn the_full_policy_and_selecting_every_head_equal_the_plain_forward() {
     }
 }
 
+/// The `full` policy's generation, and how far its logits are from `want`: how much a
+/// restriction that `want` was computed under matters.
+fn full_and_gap(model: &Model, want: &[Vec<f32>]) -> (PolicyGeneration, f32) {
+    let (full, logits) = run(model, &plan(model, "type = \"full\"", Path::new(".")), None);
+    (full, row_diff(&rows(&logits), want))
+}
+
 /// Brute-force logits of the generated sequence with streaming heads that see
 /// `sink` + `window` from query position `from` on (earlier queries see everything).
 fn brute_stream(
@@ -198,12 +205,7 @@ fn streaming_heads_match_the_brute_force_with_a_sink_and_window() {
             let d = row_diff(&rows(&got), &want);
             assert!(d < 1e-4, "{:?} {prefill}: {d}", cfg.architecture);
             // and the restriction matters
-            let (_, full) = run(
-                &model,
-                &plan(&model, "type = \"full\"", Path::new(".")),
-                None,
-            );
-            let gap = row_diff(&rows(&full), &want);
+            let (_, gap) = full_and_gap(&model, &want);
             assert!(gap > 1e-3, "{prefill}: the window must matter ({gap})");
         }
     }
@@ -276,12 +278,7 @@ fn knorm_keeps_the_smallest_keys_and_matches_the_brute_force() {
         let d = row_diff(&rows(&got), &want);
         assert!(d < 1e-4, "{what}: {d}");
         // the eviction matters, and gives memory back
-        let (full, full_logits) = run(
-            &model,
-            &plan(&model, "type = \"full\"", Path::new(".")),
-            None,
-        );
-        let gap = row_diff(&rows(&full_logits), &want);
+        let (full, gap) = full_and_gap(&model, &want);
         assert!(gap > 1e-3, "{what}: the press must matter ({gap})");
         assert!(g.kv.end.hot < full.kv.end.hot, "{what}");
         if cfg.sliding_window.is_none() {

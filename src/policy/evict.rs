@@ -33,7 +33,7 @@ impl Eviction {
     pub fn press(&self, cache: &mut HeadCache, cfg: &Config) -> Result<()> {
         for layer in 0..cfg.n_layers {
             for kv_head in 0..cfg.n_kv_heads {
-                let Some((keys, _)) = cache.full_store_keys(layer, kv_head) else {
+                let Some(keys) = cache.full_store_keys(layer, kv_head) else {
                     continue;
                 };
                 let scores = self.scorer.score(keys, cfg.d_head);

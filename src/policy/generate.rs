@@ -16,8 +16,7 @@ use crate::model::{
     last_row, GenerateOptions, Generation, HeadCache, Interventions, KvBytes, KvCache, Model,
     Observer, Sampler, Session, StopReason, Wants,
 };
-use crate::policy::plan::Prefill;
-use crate::policy::plan::{DynamicSource, Plan};
+use crate::policy::plan::{DynamicSource, Plan, Prefill};
 use crate::{Error, Result};
 
 /// A prompt prefilled with the plain (full) cache, all but its last token: shared by
@@ -123,9 +122,9 @@ pub struct PolicyGeneration {
 
 /// Generate from `prompt` under `plan`. A `full_then_evict` plan reuses `prefilled`
 /// when given (it must be of the same prompt), else prefills itself; a plan that
-/// presses only the context (`opts.context_len`) always prefills that context itself. `oracle_labels`
-/// (per step, `layer * n_heads + head`, 1 = retrieval head) drive an oracle plan (and
-/// only an oracle plan: other plans ignore them).
+/// presses only the context (`opts.context_len`) always prefills that context itself.
+/// `oracle_labels` (per step, `layer * n_heads + head`, 1 = retrieval head) drive an
+/// oracle plan (and only an oracle plan: other plans ignore them).
 /// `on_token` sees each token with its logits `(1, vocab)` and the resident KV bytes
 /// after the step, and may return `false` to stop.
 pub fn generate(

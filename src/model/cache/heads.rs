@@ -142,12 +142,11 @@ impl HeadCache {
         Ok(())
     }
 
-    /// Keys `(rows, d_head)` row-major that (`layer`, `kv_head`) holds (after RoPE), and
-    /// the position each row holds; `None` unless the store keeps every position (the
-    /// stores a press may evict from).
-    pub fn full_store_keys(&self, layer: usize, kv_head: usize) -> Option<(&[f32], Vec<usize>)> {
+    /// Keys `(rows, d_head)` row-major that (`layer`, `kv_head`) holds (after RoPE);
+    /// `None` unless the store keeps every position (the stores a press may evict from).
+    pub fn full_store_keys(&self, layer: usize, kv_head: usize) -> Option<&[f32]> {
         let store = self.stores.get(layer * self.n_kv_heads + kv_head)?;
-        (store.retention == Retention::Full).then(|| store.keys(self.len))
+        (store.retention == Retention::Full).then(|| store.keys())
     }
 
     /// Keep only rows `rows` (ascending indices into [`HeadCache::full_store_keys`]) of

@@ -301,10 +301,9 @@ impl HeadStore {
         self.kept.is_some()
     }
 
-    /// Keys `(rows, d)` row-major as stored, and the position each row holds when
-    /// `len` positions were stored.
-    pub(crate) fn keys(&self, len: usize) -> (&[f32], Vec<usize>) {
-        (&self.keys, self.positions(len))
+    /// Keys `(rows, d)` row-major as stored.
+    pub(crate) fn keys(&self) -> &[f32] {
+        &self.keys
     }
 
     /// Keep only rows `rows` (ascending) of a full store, with room for `room` more
@@ -380,15 +379,14 @@ mod tests {
         }
         s.keep(&[1, 4], 2).unwrap();
         s.push(6, &[6.0, 0.0], &[0.0, 6.0]);
-        let (keys, positions) = s.keys(7);
-        assert_eq!(positions, vec![1, 4, 6]);
-        assert_eq!(keys, &[1.0, 0.0, 4.0, 0.0, 6.0, 0.0]);
+        assert_eq!(s.positions(7), vec![1, 4, 6]);
+        assert_eq!(s.keys(), &[1.0, 0.0, 4.0, 0.0, 6.0, 0.0]);
         assert_eq!(s.values, vec![0.0, 1.0, 0.0, 4.0, 0.0, 6.0]);
         // reallocated: 2 kept + 2 to come, keys and values, 2 floats each
         assert_eq!(s.bytes().hot, (2 + 2) * 2 * 2 * 4);
         // a pressed store is pressed again by row, a ring never
         s.keep(&[0, 2], 0).unwrap();
-        assert_eq!(s.keys(7).1, vec![1, 6]);
+        assert_eq!(s.positions(7), vec![1, 6]);
         assert!(s.keep(&[2, 1], 0).is_err());
         assert!(s.keep(&[5], 0).is_err());
         let mut ring = store(Retention::Stream { sink: 1, window: 2 });
