@@ -9,7 +9,8 @@ use std::path::Path;
 
 use candle_core::Tensor;
 use common::{
-    brute_force_keys, brute_force_logits, tiny_config, tiny_gemma_config, BruteEdits, Weights,
+    brute_force_attention, brute_force_keys, brute_force_logits, tiny_config, tiny_gemma_config,
+    BruteEdits, Weights,
 };
 use headwise::model::{
     generate as plain_generate, Config, GenerateOptions, Interventions, Model, ModelId, NoObserver,
@@ -211,85 +212,129 @@ fn streaming_heads_match_the_brute_force_with_a_sink_and_window() {
     }
 }
 
+/// What the brute-force pass saw of the `n` pressed positions.
+struct Seen {
+    cfg: Config,
+    n: usize,
+    /// `[layer][position]`, `n_kv_heads * d_head` values.
+    keys: Vec<Vec<Vec<f32>>>,
+    /// `[layer][head][query][key]`.
+    attention: Vec<Vec<Vec<Vec<f64>>>>,
+}
+
+impl Seen {
+    /// The query heads of KV head `kv`.
+    fn group(&self, kv: usize) -> std::ops::Range<usize> {
+        let g = self.cfg.n_heads / self.cfg.n_kv_heads;
+        kv * g..(kv + 1) * g
+    }
+}
+
+/// The `keep` highest of `scores`, ascending, asserting a clear gap at the cut so that
+/// the choice does not hang on rounding.
+fn top(scores: &[f64], keep: usize) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..scores.len()).collect();
+    order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]));
+    let (last, next) = (scores[order[keep - 1]], scores[order[keep]]);
+    assert!(
+        last - next > 1e-4 * next.abs().max(1e-3),
+        "gap {last} vs {next}"
+    );
+    let mut kept = order[..keep].to_vec();
+    kept.sort_unstable();
+    kept
+}
+
+/// Generate under a press and compare every decode logit with the brute-force pass in
+/// which the queries after the pressed positions see, in each global layer, only what
+/// `choose(seen, layer)` (per KV head) says must be kept. The press must matter and give
+/// memory back. Pressed: the prompt but its last token, or a context whose question then
+/// runs over what was kept.
+fn check_press(
+    cfg: Config,
+    context: Option<usize>,
+    policy: &str,
+    choose: &dyn Fn(&Seen, usize) -> Vec<Vec<usize>>,
+) -> PolicyGeneration {
+    let w = Weights::random(cfg.clone(), 19);
+    let model = w.model(Numerics::Fast);
+    let p = plan(&model, policy, Path::new("."));
+    let opts = GenerateOptions {
+        context_len: context,
+        ..opts()
+    };
+    let mut got = Vec::new();
+    let g = generate(&model, &p, PROMPT, &opts, None, None, &mut |_, l, _| {
+        got.push(l.clone());
+        true
+    })
+    .unwrap();
+    let n = context.unwrap_or(PROMPT.len() - 1);
+    let seen = Seen {
+        cfg: cfg.clone(),
+        n,
+        keys: brute_force_keys(&w, &PROMPT[..n]),
+        attention: brute_force_attention(&w, &PROMPT[..n]),
+    };
+    let kept: Vec<Option<Vec<Vec<usize>>>> = (0..cfg.n_layers)
+        .map(|l| cfg.layer(l).window.is_none().then(|| choose(&seen, l)))
+        .collect();
+    let group = cfg.n_heads / cfg.n_kv_heads;
+    let visible = |l: usize, h: usize, q: usize, k: usize| {
+        q < n
+            || k >= n
+            || kept[l]
+                .as_ref()
+                .is_none_or(|k_l| k_l[h / group].contains(&k))
+    };
+    let mut seq = PROMPT.to_vec();
+    seq.extend(&g.generation.tokens[..NEW - 1]);
+    let brute = BruteEdits {
+        visible: &visible,
+        output: &|_, _| None,
+    };
+    let want = brute_force_logits(&w, &seq, &brute)[PROMPT.len() - 1..].to_vec();
+    let what = format!("{policy} on {:?}, context {context:?}", cfg.architecture);
+    let d = row_diff(&rows(&got), &want);
+    assert!(d < 1e-4, "{what}: {d}");
+    let (full, gap) = full_and_gap(&model, &want);
+    assert!(gap > 1e-3, "{what}: the press must matter ({gap})");
+    assert!(g.kv.end.hot < full.kv.end.hot, "{what}");
+    g
+}
+
 #[test]
 fn knorm_keeps_the_smallest_keys_and_matches_the_brute_force() {
-    // Pressed: the prompt but its last token, or a context of 12 tokens whose question
-    // (the next 5) then runs over what the press kept.
     for (cfg, context) in [
         (tiny_config(), None),
         (tiny_gemma_config(), None),
         (tiny_config(), Some(12)),
         (tiny_gemma_config(), Some(12)),
     ] {
-        let w = Weights::random(cfg.clone(), 19);
-        let model = w.model(Numerics::Fast);
+        // Each KV head keeps the floor(n / 2) positions with the smallest key norms.
+        let smallest = |s: &Seen, l: usize| -> Vec<Vec<usize>> {
+            let dh = s.cfg.d_head;
+            (0..s.cfg.n_kv_heads)
+                .map(|kv| {
+                    let minus_norm: Vec<f64> = (0..s.n)
+                        .map(|p| {
+                            let k = &s.keys[l][p][kv * dh..(kv + 1) * dh];
+                            -k.iter().map(|&x| x as f64 * x as f64).sum::<f64>().sqrt()
+                        })
+                        .collect();
+                    top(&minus_norm, s.n / 2)
+                })
+                .collect()
+        };
         let policy = "type = \"knorm\"\ncompression_ratio = 0.5";
-        let p = plan(&model, policy, Path::new("."));
-        let opts = GenerateOptions {
-            context_len: context,
-            ..opts()
-        };
-        let mut got = Vec::new();
-        let g = generate(&model, &p, PROMPT, &opts, None, None, &mut |_, l, _| {
-            got.push(l.clone());
-            true
-        })
-        .unwrap();
-        // The prompt is prefilled in full up to `pressed`, then each KV head of a global
-        // layer keeps the floor(pressed / 2) positions with the smallest key norms,
-        // computed here from the brute force's keys.
-        let pressed = context.unwrap_or(PROMPT.len() - 1);
-        let keep = pressed / 2;
-        let keys = brute_force_keys(&w, &PROMPT[..pressed]);
-        let (dh, group) = (cfg.d_head, cfg.n_heads / cfg.n_kv_heads);
-        let kept: Vec<Vec<Vec<usize>>> = keys
-            .iter()
-            .map(|layer| {
-                (0..cfg.n_kv_heads)
-                    .map(|kv| {
-                        let norm = |p: usize| {
-                            let k = &layer[p][kv * dh..(kv + 1) * dh];
-                            k.iter().map(|&x| x as f64 * x as f64).sum::<f64>().sqrt()
-                        };
-                        let mut order: Vec<usize> = (0..pressed).collect();
-                        order.sort_by(|&a, &b| norm(a).total_cmp(&norm(b)));
-                        // The choice must not hang on rounding: a clear gap at the cut.
-                        let gap = norm(order[keep]) - norm(order[keep - 1]);
-                        assert!(gap > 1e-4 * norm(order[keep]), "gap {gap}");
-                        order[..keep].to_vec()
-                    })
-                    .collect()
-            })
-            .collect();
-        let visible = |l: usize, h: usize, q: usize, k: usize| {
-            q < pressed
-                || k >= pressed
-                || cfg.layer(l).window.is_some()
-                || kept[l][h / group].contains(&k)
-        };
-        let mut seq = PROMPT.to_vec();
-        seq.extend(&g.generation.tokens[..NEW - 1]);
-        let brute = BruteEdits {
-            visible: &visible,
-            output: &|_, _| None,
-        };
-        let want = brute_force_logits(&w, &seq, &brute)[PROMPT.len() - 1..].to_vec();
-        let what = format!("{:?} context {context:?}", cfg.architecture);
-        let d = row_diff(&rows(&got), &want);
-        assert!(d < 1e-4, "{what}: {d}");
-        // the eviction matters, and gives memory back
-        let (full, gap) = full_and_gap(&model, &want);
-        assert!(gap > 1e-3, "{what}: the press must matter ({gap})");
-        assert!(g.kv.end.hot < full.kv.end.hot, "{what}");
+        let g = check_press(cfg.clone(), context, policy, &smallest);
         if cfg.sliding_window.is_none() {
             // By hand: every store reallocated to its kept rows plus room for the
             // positions still to come, keys and values of f32.
-            let rows = keep + (PROMPT.len() + NEW - pressed);
-            assert_eq!(
-                g.kv.end.hot,
-                cfg.n_layers * cfg.n_kv_heads * rows * dh * 2 * 4,
-                "{what}"
-            );
+            let pressed = context.unwrap_or(PROMPT.len() - 1);
+            let rows = pressed / 2 + (PROMPT.len() + NEW - pressed);
+            let bytes = cfg.n_layers * cfg.n_kv_heads * rows * cfg.d_head * 2 * 4;
+            assert_eq!(g.kv.end.hot, bytes, "context {context:?}");
         }
     }
     // A context that leaves no question, or none at all, is refused before any token.
@@ -309,6 +354,133 @@ fn knorm_keeps_the_smallest_keys_and_matches_the_brute_force() {
             .to_string();
         assert!(err.contains("context_len"), "{bad}: {err}");
     }
+}
+
+/// SnapKV's scores from the brute force's attention: the last `w` queries' mean
+/// attention to each earlier row, summed over `k` rows around it and divided by `k`,
+/// averaged over the group; the window itself scores infinity.
+fn snap_scores(s: &Seen, l: usize, kv: usize, w: usize, k: usize) -> Vec<f64> {
+    let before = s.n - w;
+    let group = s.group(kv);
+    (0..s.n)
+        .map(|j| {
+            if j >= before {
+                return f64::INFINITY;
+            }
+            let mut total = 0.0;
+            for h in group.clone() {
+                for i in j.saturating_sub(k / 2)..=j + k / 2 {
+                    if i < before {
+                        total += (before..s.n).map(|q| s.attention[l][h][q][i]).sum::<f64>();
+                    }
+                }
+            }
+            total / (w * k * group.len()) as f64
+        })
+        .collect()
+}
+
+#[test]
+fn attention_presses_keep_what_the_brute_force_attention_says() {
+    let configs = [
+        (tiny_config(), None),
+        (tiny_gemma_config(), None),
+        (tiny_config(), Some(12)),
+        (tiny_gemma_config(), Some(12)),
+    ];
+    for (cfg, context) in configs {
+        // snapkv, window 4 and kernel 3: keep floor(n / 2) per KV head.
+        let snap = |s: &Seen, l: usize| -> Vec<Vec<usize>> {
+            (0..s.cfg.n_kv_heads)
+                .map(|kv| top(&snap_scores(s, l, kv, 4, 3), s.n / 2))
+                .collect()
+        };
+        let policy = "type = \"snapkv\"\ncompression_ratio = 0.5\nwindow_size = 4\nkernel_size = 3";
+        check_press(cfg.clone(), context, policy, &snap);
+        // tova: the last position's attention averaged over every head of the layer.
+        let tova = |s: &Seen, l: usize| -> Vec<Vec<usize>> {
+            let last = s.n - 1;
+            let scores: Vec<f64> = (0..s.n)
+                .map(|j| match j == last {
+                    true => f64::INFINITY,
+                    false => (0..s.cfg.n_heads)
+                        .map(|h| s.attention[l][h][last][j])
+                        .sum::<f64>(),
+                })
+                .collect();
+            vec![top(&scores, s.n / 2); s.cfg.n_kv_heads]
+        };
+        let policy = "type = \"tova\"\ncompression_ratio = 0.5";
+        check_press(cfg.clone(), context, policy, &tova);
+        // observed_attention: every query's attention to a row, over the queries that
+        // see it, averaged over the group.
+        let h2o = |s: &Seen, l: usize| -> Vec<Vec<usize>> {
+            (0..s.cfg.n_kv_heads)
+                .map(|kv| {
+                    let scores: Vec<f64> = (0..s.n)
+                        .map(|j| {
+                            let sum: f64 = s
+                                .group(kv)
+                                .flat_map(|h| (j..s.n).map(move |q| (h, q)))
+                                .map(|(h, q)| s.attention[l][h][q][j])
+                                .sum();
+                            sum / (s.n - j) as f64
+                        })
+                        .collect();
+                    top(&scores, s.n / 2)
+                })
+                .collect()
+        };
+        let policy = "type = \"observed_attention\"\ncompression_ratio = 0.5";
+        check_press(cfg.clone(), context, policy, &h2o);
+    }
+    // pyramidkv on a context of 12, ratio 0.5, window 4, beta 20: the mean budget is 6,
+    // min 0.3 and max 11.7, the max capped at 12 - 4 = 8 and the min raised to 4; the
+    // two pressed layers keep 8 and 4.
+    for cfg in [tiny_config(), tiny_gemma_config()] {
+        let pyramid = |s: &Seen, l: usize| -> Vec<Vec<usize>> {
+            let depth = (0..l).filter(|&i| s.cfg.layer(i).window.is_none()).count();
+            let keep = [8, 4][depth];
+            (0..s.cfg.n_kv_heads)
+                .map(|kv| top(&snap_scores(s, l, kv, 4, 3), keep))
+                .collect()
+        };
+        let policy =
+            "type = \"pyramidkv\"\ncompression_ratio = 0.5\nwindow_size = 4\nkernel_size = 3";
+        check_press(cfg, Some(12), policy, &pyramid);
+    }
+    // adakv over snapkv, alpha 0.5, on two KV heads a layer: each keeps its best 3 of
+    // its equal 6 (3 of its 4 window rows; which 3 does not matter, the fourth is the
+    // best of the rest), then the layer's best 6 of the rest across both heads.
+    let ada = |s: &Seen, l: usize| -> Vec<Vec<usize>> {
+        let scores: Vec<Vec<f64>> = (0..2).map(|kv| snap_scores(s, l, kv, 4, 3)).collect();
+        let mut kept: Vec<Vec<usize>> = scores
+            .iter()
+            .map(|sc| {
+                let mut order: Vec<usize> = (0..s.n).collect();
+                order.sort_by(|&a, &b| sc[b].total_cmp(&sc[a]));
+                order[..3].to_vec()
+            })
+            .collect();
+        let mut rest: Vec<(f64, usize, usize)> = (0..2)
+            .flat_map(|kv| (0..s.n).map(move |j| (kv, j)))
+            .filter(|&(kv, j)| !kept[kv].contains(&j))
+            .map(|(kv, j)| (scores[kv][j], kv, j))
+            .collect();
+        rest.sort_by(|a, b| b.0.total_cmp(&a.0));
+        assert!(
+            rest[5].0 - rest[6].0 > 1e-4 * rest[6].0.abs(),
+            "gap at the cut"
+        );
+        for &(_, kv, j) in &rest[..6] {
+            kept[kv].push(j);
+        }
+        kept.iter_mut().for_each(|k| k.sort_unstable());
+        kept
+    };
+    let policy = "type = \"adakv\"\nalpha_safeguard = 0.5\n\
+                  press = { type = \"snapkv\", compression_ratio = 0.5, window_size = 4, kernel_size = 3 }";
+    check_press(tiny_config(), Some(12), policy, &ada);
 }
 
 #[test]

@@ -29,7 +29,7 @@ pub use gguf::{GgufFile, ModelId};
 pub use intervene::{HeadEdit, Interventions, KeyRestriction, OutputEdit, QueryEdit};
 pub use linear::{Linear, Numerics};
 pub use loaded::{LoadedModel, TextStream};
-pub use observe::{last_row, Capture, NoObserver, Observer, Recorder, Wants};
+pub use observe::{last_row, Capture, NoObserver, Observer, Recorder, Tee, Wants};
 pub use rope::Rope;
 pub use session::{Cache, Session};
 pub use transformer::{argmax, DecodeParts, Logits, Model, DEFAULT_CHUNK};

@@ -90,6 +90,51 @@ impl Observer for NoObserver {
     }
 }
 
+/// Two observers of one pass: each gets what either asks for, in order.
+pub struct Tee<'a>(pub &'a mut dyn Observer, pub &'a mut dyn Observer);
+
+impl Observer for Tee<'_> {
+    fn wants(&self) -> Wants {
+        let (a, b) = (self.0.wants(), self.1.wants());
+        Wants {
+            attention: a.attention || b.attention,
+            head_outputs: a.head_outputs || b.head_outputs,
+            residual: a.residual || b.residual,
+            final_hidden: a.final_hidden || b.final_hidden,
+            values: a.values || b.values,
+            queries: a.queries || b.queries,
+        }
+    }
+    fn begin(&mut self, start: usize, q: usize) {
+        self.0.begin(start, q);
+        self.1.begin(start, q);
+    }
+    fn attention(&mut self, layer: usize, probs: &Tensor) {
+        self.0.attention(layer, probs);
+        self.1.attention(layer, probs);
+    }
+    fn values(&mut self, layer: usize, values: &Tensor) {
+        self.0.values(layer, values);
+        self.1.values(layer, values);
+    }
+    fn queries(&mut self, layer: usize, queries: &Tensor) {
+        self.0.queries(layer, queries);
+        self.1.queries(layer, queries);
+    }
+    fn head_outputs(&mut self, layer: usize, outputs: &Tensor) {
+        self.0.head_outputs(layer, outputs);
+        self.1.head_outputs(layer, outputs);
+    }
+    fn residual(&mut self, layer: usize, resid: &Tensor) {
+        self.0.residual(layer, resid);
+        self.1.residual(layer, resid);
+    }
+    fn final_hidden(&mut self, hidden: &Tensor) {
+        self.0.final_hidden(hidden);
+        self.1.final_hidden(hidden);
+    }
+}
+
 /// One forward call's captured internals, as recorded by [`Recorder`].
 #[derive(Debug, Clone, Default)]
 pub struct Capture {

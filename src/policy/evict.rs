@@ -1,49 +1,236 @@
 //! Token eviction, the split of kvpress's `ScorerPress`: a press's scorer gives every
 //! position a KV head stores a score ([`TokenScorer`]), and one selector keeps the
-//! highest-scoring `floor(n * (1 - compression_ratio))` of its `n` rows
-//! ([`Eviction::press`]). Each KV head keeps its own positions, in its own store, so the
-//! memory given back is real. It runs after a full prefill of what is pressed: the
-//! context, when the request says where its question starts (then the question runs
-//! over what was kept), else the whole prompt but its last token.
+//! highest-scoring rows within a [`Budget`] ([`Eviction::press`]). Each KV head keeps
+//! its own positions, in its own store, so the memory given back is real. It runs after
+//! a full prefill of what is pressed: the context, when the request says where its
+//! question starts (then the question runs over what was kept), else the whole prompt
+//! but its last token.
+//!
+//! A scorer that reads attention says which queries it needs ([`Observe`]); the prefill
+//! then runs those positions with the model's own attention probabilities observed and
+//! summed per (layer, query head, key) ([`AttentionSums`]), so the scores see exactly
+//! the softmax the model computed (its scaling, its masks), not a recomputation.
 
 use std::fmt;
+use std::ops::Range;
 use std::sync::Arc;
 
-use crate::model::{Config, HeadCache};
-use crate::Result;
+use candle_core::Tensor;
+
+use crate::model::{Config, HeadCache, Observer, Wants};
+use crate::{Error, Result};
+
+/// Which queries' attention a scorer reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Observe {
+    /// None: the keys are enough.
+    Keys,
+    /// The last `n` positions of what is pressed (SnapKV's observation window).
+    Last(usize),
+    /// Every position of what is pressed (H2O's accumulated attention).
+    All,
+}
+
+/// What a scorer sees of one KV head: its keys and, when it observes them, the
+/// attention its layer's query heads gave each row.
+#[derive(Debug, Clone)]
+pub struct Rows<'a> {
+    /// `(n, d_head)` row-major, after RoPE; row `j` is position `j`.
+    pub keys: &'a [f32],
+    pub d_head: usize,
+    /// The KV head's query heads (indices into `attention`'s first axis).
+    pub group: Range<usize>,
+    /// `(n_heads, n)`: attention each query head of the layer gave row `j`, summed over
+    /// the observed queries; `None` when the scorer observes [`Observe::Keys`].
+    pub attention: Option<&'a [f32]>,
+    /// Positions of the observed queries (the last of them is `n - 1`).
+    pub queries: Range<usize>,
+}
+
+impl Rows<'_> {
+    /// Rows stored.
+    pub fn len(&self) -> usize {
+        self.keys.len() / self.d_head
+    }
+
+    /// Whether nothing is stored.
+    pub fn is_empty(&self) -> bool {
+        self.keys.is_empty()
+    }
+
+    /// Query head `head`'s summed attention `(n,)`.
+    pub fn attention_of(&self, head: usize) -> Result<&[f32]> {
+        let n = self.len();
+        let all = self
+            .attention
+            .ok_or(Error::Internal("this scorer observes no attention"))?;
+        all.get(head * n..(head + 1) * n)
+            .ok_or(Error::Internal("query head outside the observed layer"))
+    }
+}
 
 /// Scores the rows of one KV head; the highest are kept.
 pub trait TokenScorer: fmt::Debug + Send + Sync {
-    /// One score per row of `keys` `(rows, d_head)` (row-major, after RoPE).
-    fn score(&self, keys: &[f32], d_head: usize) -> Vec<f32>;
+    /// Which queries' attention [`TokenScorer::score`] reads.
+    fn observes(&self) -> Observe {
+        Observe::Keys
+    }
+
+    /// One score per row.
+    fn score(&self, rows: &Rows<'_>) -> Result<Vec<f32>>;
+}
+
+/// How many rows each KV head keeps, for a compression ratio `r` and `n` rows.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Budget {
+    /// Every KV head keeps `floor(n (1 - r))` (kvpress's `ScorerPress`).
+    PerHead,
+    /// PyramidKV: the pressed layers' budgets fall linearly with depth, from about
+    /// `2 n (1 - r)` to `n (1 - r) / beta`, averaging `n (1 - r)`; the observation
+    /// `window` stays inside every budget.
+    Pyramid { window: usize, beta: f64 },
+    /// AdaKV: a layer keeps `n_kv_heads * floor(n (1 - r))` rows chosen across its heads
+    /// by score, each head at least `alpha` of its equal share.
+    Shared { alpha: f64 },
 }
 
 /// A token-eviction step of a plan.
 #[derive(Debug, Clone)]
 pub struct Eviction {
-    /// Share of each KV head's stored positions dropped, in `(0, 1)`.
+    /// Share of the pressed positions dropped, in `(0, 1)`.
     pub compression_ratio: f64,
     pub scorer: Arc<dyn TokenScorer>,
+    pub budget: Budget,
 }
 
 impl Eviction {
     /// Evict from every store of `cache` that keeps every position (the KV heads of
-    /// layers without a window of their own): each keeps its best-scoring
-    /// `floor(n * (1 - compression_ratio))` rows.
-    pub fn press(&self, cache: &mut HeadCache, cfg: &Config) -> Result<()> {
-        for layer in 0..cfg.n_layers {
+    /// layers without a window of their own). `observed` holds the attention the
+    /// scorer asked for ([`TokenScorer::observes`]).
+    pub fn press(
+        &self,
+        cache: &mut HeadCache,
+        cfg: &Config,
+        observed: Option<&AttentionSums>,
+    ) -> Result<()> {
+        let pressed: Vec<usize> = (0..cfg.n_layers)
+            .filter(|&l| cfg.layer(l).window.is_none())
+            .collect();
+        let group = cfg.n_heads / cfg.n_kv_heads;
+        for (depth, &layer) in pressed.iter().enumerate() {
+            let mut scores = Vec::with_capacity(cfg.n_kv_heads);
             for kv_head in 0..cfg.n_kv_heads {
-                let Some(keys) = cache.full_store_keys(layer, kv_head) else {
-                    continue;
+                let keys = cache
+                    .full_store_keys(layer, kv_head)
+                    .ok_or(Error::Internal("a pressed layer keeps every position"))?;
+                let n = keys.len() / cfg.d_head;
+                let (attention, queries) = match (self.scorer.observes().from(n), observed) {
+                    (None, _) => (None, n..n),
+                    (Some(from), Some(o)) => (Some(o.get(from, layer, n)?), from..n),
+                    (Some(_), None) => {
+                        return Err(Error::Internal("the prefill observed no attention"))
+                    }
                 };
-                let scores = self.scorer.score(keys, cfg.d_head);
-                let keep = (scores.len() as f64 * (1.0 - self.compression_ratio)).floor();
-                let rows = best_rows(&scores, keep as usize);
-                cache.keep(layer, kv_head, &rows)?;
+                let rows = Rows {
+                    keys,
+                    d_head: cfg.d_head,
+                    group: kv_head * group..(kv_head + 1) * group,
+                    attention,
+                    queries,
+                };
+                let s = self.scorer.score(&rows)?;
+                if s.len() != n {
+                    return Err(Error::Internal("one score per row"));
+                }
+                scores.push(s);
+            }
+            let kept = match self.budget {
+                Budget::PerHead => {
+                    let keep = |s: &Vec<f32>| kept_rows(s.len(), self.compression_ratio);
+                    scores.iter().map(|s| best_rows(s, keep(s))).collect()
+                }
+                Budget::Pyramid { window, beta } => {
+                    let n = scores.first().map_or(0, Vec::len);
+                    let keep = pyramid_budget(
+                        n,
+                        self.compression_ratio,
+                        window,
+                        beta,
+                        depth,
+                        pressed.len(),
+                    );
+                    scores.iter().map(|s| best_rows(s, keep)).collect()
+                }
+                Budget::Shared { alpha } => shared_rows(&scores, self.compression_ratio, alpha),
+            };
+            for (kv_head, rows) in kept.iter().enumerate() {
+                cache.keep(layer, kv_head, rows)?;
             }
         }
         Ok(())
     }
+}
+
+/// `floor(n (1 - ratio))`: the rows a head keeps under an equal budget.
+fn kept_rows(n: usize, ratio: f64) -> usize {
+    (n as f64 * (1.0 - ratio)).floor() as usize
+}
+
+/// PyramidKV's budget for the pressed layer `depth` of `layers`: linear in depth from
+/// `max` to `min`, where `min = n (1 - r) / beta` and `max = 2 n (1 - r) - min` (capped
+/// at `n - window`, `min` raised to keep the mean); an equal budget where that shape
+/// does not fit (`min` below the window, a single layer).
+pub(crate) fn pyramid_budget(
+    n: usize,
+    ratio: f64,
+    window: usize,
+    beta: f64,
+    depth: usize,
+    layers: usize,
+) -> usize {
+    let mean = n as f64 * (1.0 - ratio);
+    let mut min = mean / beta;
+    let mut max = 2.0 * mean - min;
+    let cap = n.saturating_sub(window) as f64;
+    if max >= cap {
+        max = cap;
+        min = 2.0 * mean - max;
+    }
+    let fits = n as f64 >= max && max >= min && min >= window as f64;
+    if !fits || layers < 2 {
+        return kept_rows(n, ratio);
+    }
+    let step = (max - min) / (layers - 1) as f64;
+    ((max - depth as f64 * step).round() as usize).min(n)
+}
+
+/// AdaKV's choice across the heads of one layer: each head's best
+/// `floor(alpha * keep)` first, then the best of all remaining rows until the layer holds
+/// `heads * keep` (`keep = floor(n (1 - ratio))`). Per head, ascending.
+pub(crate) fn shared_rows(scores: &[Vec<f32>], ratio: f64, alpha: f64) -> Vec<Vec<usize>> {
+    let n = scores.first().map_or(0, Vec::len);
+    let keep = kept_rows(n, ratio);
+    let safe = (keep as f64 * alpha).floor() as usize;
+    let mut kept: Vec<Vec<bool>> = scores.iter().map(|s| vec![false; s.len()]).collect();
+    for (head, s) in scores.iter().enumerate() {
+        for row in best_rows(s, safe) {
+            kept[head][row] = true;
+        }
+    }
+    let mut rest: Vec<(f32, usize, usize)> = scores
+        .iter()
+        .enumerate()
+        .flat_map(|(h, s)| s.iter().enumerate().map(move |(j, &v)| (v, h, j)))
+        .filter(|&(_, h, j)| !kept[h][j])
+        .collect();
+    rest.sort_by(|a, b| b.0.total_cmp(&a.0).then((a.1, a.2).cmp(&(b.1, b.2))));
+    let room = (scores.len() * keep).saturating_sub(scores.len() * safe.min(n));
+    for &(_, h, j) in rest.iter().take(room) {
+        kept[h][j] = true;
+    }
+    kept.iter()
+        .map(|k| (0..k.len()).filter(|&j| k[j]).collect())
+        .collect()
 }
 
 /// Indices of the `keep` highest scores, ascending; of equal scores the earlier row.
@@ -53,6 +240,132 @@ pub(crate) fn best_rows(scores: &[f32], keep: usize) -> Vec<usize> {
     let mut rows = order[..keep.min(order.len())].to_vec();
     rows.sort_unstable();
     rows
+}
+
+/// The attention a prefill's observed queries gave every key of each layer without a
+/// window of its own, summed over the queries, for one or more sets of observed queries
+/// (each from some position to the end, so that one prefill serves SnapKV's window,
+/// TOVA's last query and H2O's whole prefill at once): an [`Observer`] of the observed
+/// part of the prefill.
+#[derive(Debug, Clone)]
+pub struct AttentionSums {
+    /// Positions the sums cover (what is pressed).
+    n: usize,
+    n_heads: usize,
+    /// First position of the chunk being observed.
+    start: usize,
+    /// Per first observed query position: per layer `(n_heads, n)`, empty for windowed
+    /// layers.
+    sums: Vec<(usize, Vec<Vec<f32>>)>,
+    /// A probability tensor that could not be read (reported by [`Self::get`]).
+    unreadable: bool,
+}
+
+impl AttentionSums {
+    /// Sums over keys `0..n` for queries `from..n`, for each `from` of `observes` (none
+    /// for [`Observe::Keys`]).
+    pub fn new(cfg: &Config, n: usize, observes: &[Observe]) -> Self {
+        let mut froms: Vec<usize> = observes.iter().filter_map(|o| o.from(n)).collect();
+        froms.sort_unstable();
+        froms.dedup();
+        let layers = || {
+            (0..cfg.n_layers)
+                .map(|l| match cfg.layer(l).window {
+                    Some(_) => Vec::new(),
+                    None => vec![0.0; cfg.n_heads * n],
+                })
+                .collect()
+        };
+        Self {
+            n,
+            n_heads: cfg.n_heads,
+            start: 0,
+            sums: froms.into_iter().map(|f| (f, layers())).collect(),
+            unreadable: false,
+        }
+    }
+
+    /// The first position any sum observes (`n` when none does).
+    pub fn first(&self) -> usize {
+        self.sums.first().map_or(self.n, |s| s.0)
+    }
+
+    /// Whether the sums for `observe` over `n` positions are here.
+    pub fn covers(&self, observe: Observe, n: usize) -> bool {
+        match observe.from(n) {
+            None => true,
+            Some(from) => n == self.n && self.sums.iter().any(|s| s.0 == from),
+        }
+    }
+
+    /// Layer `layer`'s sums `(n_heads, n)` for queries `from..n`, for a store of `n` rows.
+    fn get(&self, from: usize, layer: usize, n: usize) -> Result<&[f32]> {
+        if self.unreadable {
+            return Err(Error::Internal(
+                "an observed attention tensor was unreadable",
+            ));
+        }
+        let found = self.sums.iter().find(|s| s.0 == from);
+        match found.and_then(|s| s.1.get(layer)) {
+            Some(sums) if n == self.n && !sums.is_empty() => Ok(sums),
+            _ => Err(Error::Internal(
+                "the observed attention does not cover the pressed rows",
+            )),
+        }
+    }
+
+    fn add(&mut self, layer: usize, probs: &Tensor) -> candle_core::Result<()> {
+        let q = probs.dim(1)?;
+        let (start, n, n_heads) = (self.start, self.n, self.n_heads);
+        for (from, layers) in &mut self.sums {
+            let Some(sums) = layers.get_mut(layer).filter(|s| !s.is_empty()) else {
+                continue;
+            };
+            // Rows of this chunk at or after `from`.
+            let skip = from.saturating_sub(start);
+            if skip >= q {
+                continue;
+            }
+            // (n_heads, rows, kv_len) -> (n_heads, kv_len)
+            let per_key: Vec<Vec<f32>> = probs.narrow(1, skip, q - skip)?.sum(1)?.to_vec2()?;
+            for (h, row) in per_key.iter().enumerate().take(n_heads) {
+                for (j, &p) in row.iter().enumerate().take(n) {
+                    sums[h * n + j] += p;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Observe {
+    /// The first observed query position when `n` positions are pressed.
+    fn from(self, n: usize) -> Option<usize> {
+        match self {
+            Observe::Keys => None,
+            Observe::Last(w) => Some(n.saturating_sub(w)),
+            Observe::All => Some(0),
+        }
+    }
+}
+
+impl Observer for AttentionSums {
+    fn wants(&self) -> Wants {
+        Wants {
+            attention: true,
+            ..Wants::default()
+        }
+    }
+
+    fn begin(&mut self, start: usize, _q: usize) {
+        self.start = start;
+    }
+
+    fn attention(&mut self, layer: usize, probs: &Tensor) {
+        if self.add(layer, probs).is_err() {
+            self.unreadable = true;
+        }
+    }
 }
 
 #[cfg(test)]
@@ -66,5 +379,36 @@ mod tests {
         assert_eq!(best_rows(&scores, 2), vec![1, 3]);
         assert_eq!(best_rows(&scores, 0), Vec::<usize>::new());
         assert_eq!(best_rows(&scores, 9), vec![0, 1, 2, 3, 4]);
+    }
+
+    #[test]
+    fn pyramid_budgets_fall_with_depth_and_keep_the_mean() {
+        // 1000 rows, ratio 0.5: mean 500, min 25, max 975 (capped at 1000 - 64 = 936,
+        // so min = 64); four layers from 936 down to 64.
+        let b: Vec<usize> = (0..4)
+            .map(|d| pyramid_budget(1000, 0.5, 64, 20.0, d, 4))
+            .collect();
+        assert_eq!(b, vec![936, 645, 355, 64]);
+        assert_eq!(b.iter().sum::<usize>(), 4 * 500);
+        // A shape that does not fit (100 rows, ratio 0.5: max capped at 36 and min raised
+        // to 64, above it) or one layer: equal budgets.
+        assert_eq!(pyramid_budget(100, 0.5, 64, 20.0, 0, 4), 50);
+        assert_eq!(pyramid_budget(1000, 0.5, 64, 20.0, 0, 1), 500);
+    }
+
+    #[test]
+    fn shared_budgets_go_to_the_best_rows_across_heads_with_a_floor_each() {
+        // Two heads of 10 rows, ratio 0.5: 10 rows for the layer, each head at least
+        // floor(0.2 * 5) = 1 (its best), the other 8 the best of the rest overall.
+        let hot: Vec<f32> = (0..10).map(|j| 10.0 + j as f32).collect();
+        let cold: Vec<f32> = (0..10).map(|j| j as f32 * 0.1).collect();
+        let kept = shared_rows(&[hot, cold], 0.5, 0.2);
+        assert_eq!(kept[0], vec![1, 2, 3, 4, 5, 6, 7, 8, 9]);
+        assert_eq!(kept[1], vec![9]);
+        // alpha = 1 is the equal budget.
+        let a: Vec<f32> = (0..10).map(|j| j as f32).collect();
+        let kept = shared_rows(&[a.clone(), a], 0.5, 1.0);
+        assert_eq!(kept[0], vec![5, 6, 7, 8, 9]);
+        assert_eq!(kept[1], vec![5, 6, 7, 8, 9]);
     }
 }

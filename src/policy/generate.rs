@@ -14,8 +14,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::model::{
     last_row, GenerateOptions, Generation, HeadCache, Interventions, KvBytes, KvCache, Model,
-    Observer, Sampler, Session, StopReason, Wants,
+    Observer, Sampler, Session, StopReason, Tee, Wants,
 };
+use crate::policy::evict::{AttentionSums, Observe};
 use crate::policy::plan::{DynamicSource, Plan, Prefill};
 use crate::{Error, Result};
 
@@ -30,6 +31,8 @@ pub struct Prefilled {
     hidden: Option<Vec<f32>>,
     /// The prompt.
     prompt: Vec<u32>,
+    /// Attention sums of the observed positions, for presses that read attention.
+    attention: Option<AttentionSums>,
     secs: f64,
 }
 
@@ -42,23 +45,54 @@ impl Prefilled {
         prompt: &[u32],
         capacity: usize,
     ) -> Result<Self> {
+        Self::observed(model, edits, prompt, capacity, &[])
+    }
+
+    /// [`Prefilled::run`], with the attention each of `observes` names summed over its
+    /// queries, for the presses that read it: the positions before the first observed
+    /// query run as one pass, the rest as another.
+    pub fn observed(
+        model: &Model,
+        edits: &Interventions,
+        prompt: &[u32],
+        capacity: usize,
+        observes: &[Observe],
+    ) -> Result<Self> {
         if prompt.is_empty() {
             return Err(Error::invalid("prompt", "empty (no tokens)"));
         }
         let t0 = Instant::now();
         let mut session = Session::new(model, capacity);
         let mut obs = LastHidden::new(true);
-        if prompt.len() > 1 {
-            let head = &prompt[..prompt.len() - 1];
-            session.prefill(head, &mut obs, edits)?;
+        let head = &prompt[..prompt.len() - 1];
+        let mut sums = AttentionSums::new(model.config(), head.len(), observes);
+        let from = sums.first();
+        if from > 0 {
+            session.prefill(&head[..from], &mut obs, edits)?;
+        }
+        if from < head.len() {
+            session.prefill(&head[from..], &mut Tee(&mut obs, &mut sums), edits)?;
         }
         Ok(Self {
             kv: session.into_cache(),
             edits: edits.clone(),
             hidden: obs.hidden,
             prompt: prompt.to_vec(),
+            attention: (from < head.len()).then_some(sums),
             secs: t0.elapsed().as_secs_f64(),
         })
+    }
+
+    /// Whether this prefill can stand in for `need`'s under `edits`.
+    fn serves(&self, prompt: &[u32], need: PrefillNeed, edits: &Interventions) -> bool {
+        let n = need.len - 1;
+        self.prompt == prompt[..need.len]
+            && self.edits == *edits
+            && (need.observe == Observe::Keys
+                || self
+                    .attention
+                    .as_ref()
+                    .is_some_and(|a| a.covers(need.observe, n)))
     }
 
     /// The plain cache holding every prompt position but the last.
@@ -70,6 +104,46 @@ impl Prefilled {
     pub fn bytes(&self) -> usize {
         self.kv.allocated_bytes()
     }
+}
+
+/// What a `full_then_evict` plan prefills before it presses, so that plans can share
+/// one prefill ([`Prefilled::observed`] with every `observe` they need).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrefillNeed {
+    /// The prefill is of `prompt[..len]` (all of it but its last token runs): the whole
+    /// prompt, or, for a press told where the question starts, the context and the
+    /// question's first token.
+    pub len: usize,
+    /// The attention the plan's press reads.
+    pub observe: Observe,
+}
+
+/// The prefill `plan` needs for a prompt of `prompt_len` tokens under `opts`; `None` for
+/// a plan that streams its prefill. A `context_len` of 0 or past the prompt is an error.
+pub fn prefill_need(
+    plan: &Plan,
+    prompt_len: usize,
+    opts: &GenerateOptions,
+) -> Result<Option<PrefillNeed>> {
+    if plan.prefill != Prefill::FullThenEvict {
+        return Ok(None);
+    }
+    let len = match (&plan.evict, opts.context_len) {
+        (Some(_), Some(c)) if c == 0 || c >= prompt_len => {
+            return Err(Error::invalid(
+                "context_len",
+                format!("{c} (must be in 1..{prompt_len} for this prompt)"),
+            ))
+        }
+        // A question of one token: the whole prompt but its last token is pressed.
+        (Some(_), Some(c)) => c + 1,
+        _ => prompt_len,
+    };
+    let observe = plan
+        .evict
+        .as_ref()
+        .map_or(Observe::Keys, |e| e.scorer.observes());
+    Ok(Some(PrefillNeed { len, observe }))
 }
 
 /// Keeps the final hidden state of the last position of each pass, when enabled.
@@ -121,8 +195,8 @@ pub struct PolicyGeneration {
 }
 
 /// Generate from `prompt` under `plan`. A `full_then_evict` plan reuses `prefilled`
-/// when given (it must be of the same prompt), else prefills itself; a plan that
-/// presses only the context (`opts.context_len`) always prefills that context itself.
+/// when given (it must be what [`prefill_need`] says: of the same prompt or context,
+/// with the same edits and the attention the press reads), else prefills itself.
 /// `oracle_labels` (per step, `layer * n_heads + head`, 1 = retrieval head) drive an
 /// oracle plan (and only an oracle plan: other plans ignore them).
 /// `on_token` sees each token with its logits `(1, vocab)` and the resident KV bytes
@@ -157,44 +231,31 @@ pub fn generate(
     let mut shared_secs = 0.0;
     let (mut session, mut hidden, prefill_peak) = match plan.prefill {
         Prefill::FullThenEvict => {
-            // A press with a context: prefill the context alone (the shared prefill is
-            // of the whole prompt), press it, then run the question over what it kept.
-            let context = match (&plan.evict, opts.context_len) {
-                (Some(_), Some(c)) if c == 0 || c >= prompt.len() => {
-                    return Err(Error::invalid(
-                        "context_len",
-                        format!("{c} (must be in 1..{} for this prompt)", prompt.len()),
-                    ))
-                }
-                // A question of one token: the whole prompt but its last token is pressed.
-                (Some(_), Some(c)) if c < prompt.len() - 1 => Some(c),
-                _ => None,
-            };
+            let need = prefill_need(plan, prompt.len(), opts)?
+                .ok_or(Error::Internal("a full_then_evict plan prefills"))?;
+            // Pressing the context alone: the question then runs over what was kept.
+            let context = (need.len < prompt.len()).then_some(need.len - 1);
             let own;
-            let pre = match (prefilled, context) {
-                (Some(p), None) if p.prompt == prompt && p.edits == plan.edits => {
+            let pre = match prefilled {
+                Some(p) if p.serves(prompt, need, &plan.edits) => {
                     shared_secs = p.secs;
                     p
                 }
-                (Some(_), None) => {
-                    return Err(Error::invalid(
-                        "prefill",
-                        "shared for another prompt or other edits",
-                    ))
-                }
-                (_, Some(c)) => {
-                    own = Prefilled::run(model, &plan.edits, &prompt[..c + 1], capacity)?;
-                    &own
-                }
-                (None, None) => {
-                    own = Prefilled::run(model, &plan.edits, prompt, capacity)?;
+                Some(_) => return Err(Error::invalid(
+                    "prefill",
+                    "shared for another prompt or edits, or without the attention the press reads",
+                )),
+                None => {
+                    let pressed = &prompt[..need.len];
+                    let observes = [need.observe];
+                    own = Prefilled::observed(model, &plan.edits, pressed, capacity, &observes)?;
                     &own
                 }
             };
             let mut cache = HeadCache::from_kv(cfg, &pre.kv, &plan.retention, capacity)?;
             let mut peak = pre.bytes() + cache.bytes().total();
             if let Some(eviction) = &plan.evict {
-                eviction.press(&mut cache, cfg)?;
+                eviction.press(&mut cache, cfg, pre.attention.as_ref())?;
             }
             let mut session = Session::with_cache(model, cache);
             let hidden = match context {

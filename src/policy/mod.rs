@@ -25,7 +25,7 @@ pub mod runtime;
 pub mod select;
 
 pub use config::Policy;
-pub use generate::{generate, KvStats, PolicyGeneration, Prefilled};
+pub use generate::{generate, prefill_need, KvStats, PolicyGeneration, PrefillNeed, Prefilled};
 pub use plan::{Dynamic, DynamicSource, Plan, Prefill};
 pub use presses::{PolicyConfig, Press};
 pub use runtime::{

@@ -262,21 +262,30 @@ fn gelu(x: f64) -> f64 {
 
 /// Logits `(tokens.len(), vocab)` computed by plain loops, one position at a time.
 pub fn brute_force_logits(w: &Weights, tokens: &[u32], edits: &BruteEdits) -> Vec<Vec<f32>> {
-    brute_force(w, tokens, edits).0
+    brute_force(w, tokens, edits).logits
 }
 
 /// Keys after RoPE of every layer and position, `[layer][position]` of
 /// `n_kv_heads * d_head` values, from the plain-loop pass with full attention.
 pub fn brute_force_keys(w: &Weights, tokens: &[u32]) -> Vec<Vec<Vec<f32>>> {
-    brute_force(w, tokens, &no_edits()).1
+    brute_force(w, tokens, &no_edits()).keys
 }
 
-/// The plain-loop pass: logits and the keys of every layer.
-fn brute_force(
-    w: &Weights,
-    tokens: &[u32],
-    edits: &BruteEdits,
-) -> (Vec<Vec<f32>>, Vec<Vec<Vec<f32>>>) {
+/// Attention probabilities `[layer][head][query][key]` (zero where a key is not
+/// visible) from the plain-loop pass with full attention.
+pub fn brute_force_attention(w: &Weights, tokens: &[u32]) -> Vec<Vec<Vec<Vec<f64>>>> {
+    brute_force(w, tokens, &no_edits()).attention
+}
+
+/// What the plain-loop pass computes.
+struct Brute {
+    logits: Vec<Vec<f32>>,
+    keys: Vec<Vec<Vec<f32>>>,
+    attention: Vec<Vec<Vec<Vec<f64>>>>,
+}
+
+/// The plain-loop pass: logits, the keys and the attention of every layer.
+fn brute_force(w: &Weights, tokens: &[u32], edits: &BruteEdits) -> Brute {
     let cfg = &w.cfg;
     let (d, dh, nh, nkv) = (cfg.d_model, cfg.d_head, cfg.n_heads, cfg.n_kv_heads);
     let group = nh / nkv;
@@ -292,6 +301,7 @@ fn brute_force(
         })
         .collect();
     let mut all_keys = Vec::with_capacity(w.layers.len());
+    let mut all_probs = Vec::with_capacity(w.layers.len());
     for (l, lw) in w.layers.iter().enumerate() {
         // Gemma 3 here: every `global_every`-th layer global, the rest windowed.
         let (base, window) = match cfg.sliding_window {
@@ -327,6 +337,7 @@ fn brute_force(
             vs.push(matvec(&lw.wv, h, nkv * dh));
         }
         all_keys.push(ks.clone());
+        let mut probs = vec![vec![vec![0f64; tokens.len()]; tokens.len()]; nh];
         for p in 0..tokens.len() {
             let mut concat = vec![0f32; nh * dh];
             for head in 0..nh {
@@ -353,6 +364,9 @@ fn brute_force(
                         let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                         let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
                         let z: f64 = e.iter().sum();
+                        for (i, &j) in keys.iter().enumerate() {
+                            probs[head][p][j] = e[i] / z;
+                        }
                         let mut o = vec![0f64; dh];
                         for (i, &j) in keys.iter().enumerate() {
                             for (c, v) in vs[j][kv * dh..(kv + 1) * dh].iter().enumerate() {
@@ -372,6 +386,7 @@ fn brute_force(
                 *x += a;
             }
         }
+        all_probs.push(probs);
         for x in xs.iter_mut() {
             let h = rmsnorm(x, &lw.ffn_norm, cfg.rms_eps);
             let g = matvec(&lw.gate, &h, cfg.d_ff);
@@ -405,7 +420,11 @@ fn brute_force(
             matvec(&w.embed, &h, cfg.vocab_size)
         })
         .collect();
-    (logits, all_keys)
+    Brute {
+        logits,
+        keys: all_keys,
+        attention: all_probs,
+    }
 }
 
 /// Largest absolute difference between a `(n, vocab)` tensor and rows of a table.

@@ -29,7 +29,9 @@
 //!
 //! Every `full_then_evict` policy shares one full prefill per example (the prompt's
 //! representations are then identical across policies, and only what each head keeps
-//! for decoding differs); `stream` policies prefill on their own. The `dynamic_oracle`
+//! for decoding differs); presses told where the question starts share one prefill of
+//! the context, run once with the attention all of them read; `stream` policies prefill
+//! on their own. The `dynamic_oracle`
 //! labels come from a full-cache run of the same example on the shared prefill.
 //! `records.jsonl` gets one line per (example, policy), so a run resumes where it
 //! stopped; `headwise eval report`-style output (`summary.json`, `README.md`, SVGs) is
@@ -55,7 +57,8 @@ use crate::lab::plot::{line_chart, Chart, Mark, Series};
 use crate::lab::tasks::Encoder;
 use crate::metrics::Metric;
 use crate::model::{GenerateOptions, Interventions, LoadedModel, ModelId};
-use crate::policy::{generate, DynamicSource, Plan, Policy, Prefill, Prefilled};
+use crate::policy::evict::Observe;
+use crate::policy::{generate, prefill_need, DynamicSource, Plan, Policy, PrefillNeed, Prefilled};
 use crate::probe::LabelKind;
 use crate::provenance::Made;
 use crate::results::{write_atomic, write_experiment, ResultRecord, SCHEMA_VERSION};
@@ -309,19 +312,38 @@ pub fn run(
         }
         let max_new = fixed.unwrap_or(spec.max_new);
         let capacity = ex.prompt.len() + max_new;
-        // A press given the question's start prefills the context alone, not shared.
-        let shares = |p: &Plan| {
-            p.prefill == Prefill::FullThenEvict
-                && p.edits.is_empty()
-                && (p.evict.is_none() || ex.question_start.is_none())
+        let opts = GenerateOptions {
+            max_new,
+            context_len: ex.question_start,
+            stop: if fixed.is_some() {
+                Vec::new()
+            } else {
+                lm.special.stop.clone()
+            },
+            ..GenerateOptions::default()
         };
-        let shared = todo
+        // One full prefill per prompt length the plans prefill (the whole prompt; the
+        // context, for presses told where the question starts), observing the attention
+        // their presses read. Policies that ablate heads prefill with their own edits.
+        let need = |p: &Plan| -> Result<Option<PrefillNeed>> {
+            Ok(prefill_need(p, ex.prompt.len(), &opts)?.filter(|_| p.edits.is_empty()))
+        };
+        let mut needs: BTreeMap<usize, Vec<Observe>> = BTreeMap::new();
+        for (_, p) in &todo {
+            if let Some(n) = need(p)? {
+                needs.entry(n.len).or_default().push(n.observe);
+            }
+        }
+        let shared: BTreeMap<usize, Prefilled> = needs
             .iter()
-            .any(|(_, p)| shares(p))
-            .then(|| Prefilled::run(&lm.model, &Interventions::new(), &ex.prompt, capacity))
-            .transpose()?;
+            .map(|(&len, observes)| {
+                let pre = &ex.prompt[..len];
+                let edits = Interventions::new();
+                Prefilled::observed(&lm.model, &edits, pre, capacity, observes).map(|p| (len, p))
+            })
+            .collect::<Result<_>>()?;
         let oracle = match (
-            &shared,
+            shared.get(&ex.prompt.len()),
             todo.iter()
                 .any(|(p, _)| p.policy.name() == "dynamic_oracle"),
         ) {
@@ -330,18 +352,7 @@ pub fn run(
         };
         for (named, plan) in todo {
             let t0 = Instant::now();
-            let opts = GenerateOptions {
-                max_new,
-                context_len: ex.question_start,
-                stop: if fixed.is_some() {
-                    Vec::new()
-                } else {
-                    lm.special.stop.clone()
-                },
-                ..GenerateOptions::default()
-            };
-            // Policies that ablate heads prefill with their own edits.
-            let prefilled = shares(plan).then_some(()).and(shared.as_ref());
+            let prefilled = need(plan)?.and_then(|n| shared.get(&n.len));
             let mut answer = AnswerText::new(lm);
             let labels = plan
                 .dynamic

@@ -44,7 +44,7 @@ impl Press for Compose {
         if retention > 1 {
             return Err(Error::invalid(
                 "compose",
-                "at most one part that decides what heads keep (window, static_heads, dynamic_heads, knorm)",
+                "at most one part that decides what heads keep (window, static_heads, dynamic_heads or a token press)",
             ));
         }
         self.policies.iter().try_for_each(|p| p.press().check())

@@ -22,7 +22,7 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use crate::policy::evict::{Eviction, TokenScorer};
+use crate::policy::evict::{Budget, Eviction, Rows, TokenScorer};
 use crate::policy::plan::{Plan, Prefill};
 use crate::policy::presses::{Press, Target};
 use crate::{Error, Result};
@@ -45,6 +45,7 @@ impl Press for Knorm {
         plan.evict = Some(Eviction {
             compression_ratio: self.compression_ratio,
             scorer: Arc::new(KeyNorm),
+            budget: Budget::PerHead,
         });
         Ok(())
     }
@@ -70,10 +71,12 @@ pub(crate) fn check_ratio(ratio: f64) -> Result<()> {
 struct KeyNorm;
 
 impl TokenScorer for KeyNorm {
-    fn score(&self, keys: &[f32], d_head: usize) -> Vec<f32> {
-        keys.chunks_exact(d_head)
+    fn score(&self, rows: &Rows<'_>) -> Result<Vec<f32>> {
+        Ok(rows
+            .keys
+            .chunks_exact(rows.d_head)
             .map(|k| -(k.iter().map(|&x| x as f64 * x as f64).sum::<f64>().sqrt() as f32))
-            .collect()
+            .collect())
     }
 }
 
@@ -84,7 +87,15 @@ mod tests {
     #[test]
     fn small_keys_score_highest_and_ratios_stay_inside_zero_and_one() {
         let keys = [3.0, 4.0, 0.0, 1.0, 1.0, 1.0];
-        assert_eq!(KeyNorm.score(&keys, 2), vec![-5.0, -1.0, -(2f32.sqrt())]);
+        let rows = Rows {
+            keys: &keys,
+            d_head: 2,
+            group: 0..1,
+            attention: None,
+            queries: 3..3,
+        };
+        let want = vec![-5.0, -1.0, -(2f32.sqrt())];
+        assert_eq!(KeyNorm.score(&rows).unwrap(), want);
         for bad in [0.0, 1.0, -0.5, f64::NAN] {
             assert!(check_ratio(bad).is_err(), "{bad}");
         }

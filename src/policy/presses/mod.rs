@@ -121,6 +121,16 @@ registry! {
     ablate => Ablate,
     /// Every KV head keeps the prompt positions with the smallest key norms.
     knorm => Knorm,
+    /// Every KV head keeps what the prompt's last window attends to (SnapKV).
+    snapkv => Snapkv,
+    /// SnapKV's scores with budgets falling with depth (PyramidKV).
+    pyramidkv => Pyramidkv,
+    /// Every KV head keeps what the prompt's last position attends to (TOVA).
+    tova => Tova,
+    /// Every KV head keeps what the whole prefill attended to most (H2O).
+    observed_attention => ObservedAttention,
+    /// Another press's scores with the budget shared across a layer's heads (AdaKV).
+    adakv => Adakv,
     /// Several policies at once.
     compose => Compose,
 }
