@@ -124,6 +124,19 @@ pub fn contains_answer(aliases: &[String], prediction: &str) -> f64 {
     f64::from(u8::from(hit))
 }
 
+/// The share of `expected` that occur in the prediction, each normalised and as a
+/// whole-word phrase (0 when nothing is expected).
+pub fn recall_all(expected: &[String], prediction: &str) -> f64 {
+    if expected.is_empty() {
+        return 0.0;
+    }
+    let found: f64 = expected
+        .iter()
+        .map(|e| contains_answer(std::slice::from_ref(e), prediction))
+        .sum();
+    found / expected.len() as f64
+}
+
 /// A metric by name, as specs and result records write it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -138,11 +151,14 @@ pub enum Metric {
     F1,
     /// Whether some alias occurs in the prediction ([`contains_answer`]).
     Accuracy,
+    /// The share of the expected strings that occur in the prediction, each as a
+    /// whole-word phrase ([`recall_all`]; RULER's `string_match_all`).
+    RecallAll,
 }
 
 impl Metric {
     /// The name in specs and records: `rouge_l`, `rouge1_recall`, `em`, `f1`,
-    /// `accuracy`.
+    /// `accuracy`, `recall_all`.
     pub fn name(self) -> &'static str {
         match self {
             Metric::RougeL => "rouge_l",
@@ -150,10 +166,12 @@ impl Metric {
             Metric::Em => "em",
             Metric::F1 => "f1",
             Metric::Accuracy => "accuracy",
+            Metric::RecallAll => "recall_all",
         }
     }
 
-    /// Score `prediction` against `aliases` (gold answer first).
+    /// Score `prediction` against `aliases` (gold answer first; for
+    /// [`Metric::RecallAll`], every string expected).
     pub fn score(self, aliases: &[String], prediction: &str) -> f64 {
         match self {
             Metric::RougeL => best_over_aliases(aliases, prediction, rouge_l_f1),
@@ -161,6 +179,7 @@ impl Metric {
             Metric::Em => best_over_aliases(aliases, prediction, exact_match),
             Metric::F1 => best_over_aliases(aliases, prediction, token_f1),
             Metric::Accuracy => contains_answer(aliases, prediction),
+            Metric::RecallAll => recall_all(aliases, prediction),
         }
     }
 }
@@ -178,6 +197,9 @@ mod tests {
         assert_eq!(Metric::F1.score(&aliases, "the capital"), 0.0);
         // reference "washington", candidate "washington dc": recall 1, ROUGE-L 2/3
         assert_eq!(Metric::Rouge1Recall.score(&aliases, "Washington DC"), 1.0);
+        let expected = vec!["1234".to_string(), "QWERT".to_string(), "5678".to_string()];
+        let r = Metric::RecallAll.score(&expected, "qwert, 5678 and 12345");
+        assert!((r - 2.0 / 3.0).abs() < 1e-12, "{r}");
         let l = Metric::RougeL.score(&aliases[1..], "Washington DC");
         assert!((l - 2.0 / 3.0).abs() < 1e-12, "{l}");
         let json = serde_json::to_string(&Metric::Rouge1Recall).unwrap();

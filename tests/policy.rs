@@ -481,6 +481,27 @@ fn attention_presses_keep_what_the_brute_force_attention_says() {
     let policy = "type = \"adakv\"\nalpha_safeguard = 0.5\n\
                   press = { type = \"snapkv\", compression_ratio = 0.5, window_size = 4, kernel_size = 3 }";
     check_press(tiny_config(), Some(12), policy, &ada);
+    // static_heads with a press on the others (DuoAttention x SnapKV): query head 0 of
+    // layer 0 makes KV head 0 of layer 0 keep everything; every other KV head keeps what
+    // snapkv keeps.
+    let duo = |s: &Seen, l: usize| -> Vec<Vec<usize>> {
+        (0..s.cfg.n_kv_heads)
+            .map(|kv| match (l, kv) {
+                (0, 0) => (0..s.n).collect(),
+                _ => top(&snap_scores(s, l, kv, 4, 3), s.n / 2),
+            })
+            .collect()
+    };
+    let policy = "type = \"static_heads\"\nheads = { list = [[0, 0]] }\n\
+                  others = { type = \"snapkv\", compression_ratio = 0.5, window_size = 4, kernel_size = 3 }";
+    check_press(tiny_config(), Some(12), policy, &duo);
+    let model = Weights::random(tiny_config(), 19).model(Numerics::Fast);
+    assert_eq!(plan(&model, policy, Path::new(".")).full_kv_heads(), 1);
+    // Only a token press may stand in for the streaming window.
+    let bad =
+        "type = \"static_heads\"\nheads = { list = [[0, 0]] }\nothers = { type = \"window\" }";
+    let err = toml::from_str::<Policy>(bad).unwrap_err().to_string();
+    assert!(err.contains("others"), "{err}");
 }
 
 #[test]

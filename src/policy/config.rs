@@ -162,6 +162,7 @@ mod tests {
             sink,
             window,
             prefill,
+            others: None,
         }) = p.config()
         else {
             panic!("{p:?}")

@@ -101,12 +101,15 @@ pub struct Eviction {
     pub compression_ratio: f64,
     pub scorer: Arc<dyn TokenScorer>,
     pub budget: Budget,
+    /// Per `layer * n_kv_heads + kv_head`: heads the press leaves whole (the retrieval
+    /// heads of `static_heads` with `others`); empty for none.
+    pub exempt: Vec<bool>,
 }
 
 impl Eviction {
     /// Evict from every store of `cache` that keeps every position (the KV heads of
-    /// layers without a window of their own). `observed` holds the attention the
-    /// scorer asked for ([`TokenScorer::observes`]).
+    /// layers without a window of their own), but the exempt ones. `observed` holds the
+    /// attention the scorer asked for ([`TokenScorer::observes`]).
     pub fn press(
         &self,
         cache: &mut HeadCache,
@@ -118,8 +121,16 @@ impl Eviction {
             .collect();
         let group = cfg.n_heads / cfg.n_kv_heads;
         for (depth, &layer) in pressed.iter().enumerate() {
-            let mut scores = Vec::with_capacity(cfg.n_kv_heads);
-            for kv_head in 0..cfg.n_kv_heads {
+            let heads: Vec<usize> = (0..cfg.n_kv_heads)
+                .filter(|&h| {
+                    !self
+                        .exempt
+                        .get(layer * cfg.n_kv_heads + h)
+                        .is_some_and(|&e| e)
+                })
+                .collect();
+            let mut scores = Vec::with_capacity(heads.len());
+            for &kv_head in &heads {
                 let keys = cache
                     .full_store_keys(layer, kv_head)
                     .ok_or(Error::Internal("a pressed layer keeps every position"))?;
@@ -144,7 +155,7 @@ impl Eviction {
                 }
                 scores.push(s);
             }
-            let kept = match self.budget {
+            let kept: Vec<Vec<usize>> = match self.budget {
                 Budget::PerHead => {
                     let keep = |s: &Vec<f32>| kept_rows(s.len(), self.compression_ratio);
                     scores.iter().map(|s| best_rows(s, keep(s))).collect()
@@ -163,7 +174,7 @@ impl Eviction {
                 }
                 Budget::Shared { alpha } => shared_rows(&scores, self.compression_ratio, alpha),
             };
-            for (kv_head, rows) in kept.iter().enumerate() {
+            for (&kv_head, rows) in heads.iter().zip(&kept) {
                 cache.keep(layer, kv_head, rows)?;
             }
         }

@@ -147,10 +147,11 @@ impl Plan {
         self.candidates.iter().filter(|&&c| c).count()
     }
 
-    /// KV heads that keep their whole history in the hot tier (none under a press).
+    /// KV heads that keep their whole history in the hot tier (under a press, those it
+    /// leaves whole).
     pub fn full_kv_heads(&self) -> usize {
-        if self.evict.is_some() {
-            return 0;
+        if let Some(evict) = &self.evict {
+            return evict.exempt.iter().filter(|&&e| e).count();
         }
         self.retention
             .iter()

@@ -47,6 +47,7 @@ use indicatif::ProgressBar;
 use plotters::style::{Color, Palette, Palette99};
 use serde::{Deserialize, Serialize};
 
+use crate::lab::eval::datasets::ruler::RulerTask;
 use crate::lab::eval::run::{
     append_jsonl, open_append, read_json, read_jsonl, to_json, AnswerText, Sources,
 };
@@ -205,8 +206,9 @@ impl BudgetRecord {
 }
 
 fn metrics_for(task: &str) -> Vec<Metric> {
-    match task {
-        "hotpotqa" | "musique" => vec![Metric::Em, Metric::F1],
+    match (task, RulerTask::parse(task)) {
+        (_, Some(ruler)) => vec![ruler.metric()],
+        ("hotpotqa" | "musique", _) => vec![Metric::Em, Metric::F1],
         _ => vec![Metric::Accuracy],
     }
 }
@@ -353,7 +355,7 @@ pub fn run(
         for (named, plan) in todo {
             let t0 = Instant::now();
             let prefilled = need(plan)?.and_then(|n| shared.get(&n.len));
-            let mut answer = AnswerText::new(lm);
+            let mut answer = AnswerText::for_task(lm, task);
             let labels = plan
                 .dynamic
                 .as_ref()

@@ -27,6 +27,7 @@ use indicatif::ProgressBar;
 use serde::{Deserialize, Serialize};
 
 use crate::lab::eval::controls;
+use crate::lab::eval::datasets::ruler::{self, RulerTask};
 use crate::lab::eval::datasets::{babilong, hotpotqa, musique, Loaded};
 use crate::lab::eval::spec::{EvalSpec, Seeds, TaskEntry, TaskSource};
 use crate::lab::eval::Example;
@@ -46,12 +47,14 @@ pub const RUN_SCHEMA_VERSION: u32 = 1;
 pub const BASELINE: &str = "none";
 
 /// Collects a generated answer: stops at a stop token or at the first newline after some
-/// text; the answer is the first line, trimmed.
+/// text; the answer is the first line, trimmed. A multi-line answer (a list) runs to a
+/// stop token or the token limit, its lines joined by spaces.
 pub(crate) struct AnswerText<'a> {
     lm: &'a LoadedModel,
     ids: Vec<u32>,
     text: String,
     failed: Option<Error>,
+    multi_line: bool,
 }
 
 impl<'a> AnswerText<'a> {
@@ -61,6 +64,16 @@ impl<'a> AnswerText<'a> {
             ids: Vec::new(),
             text: String::new(),
             failed: None,
+            multi_line: false,
+        }
+    }
+
+    /// The answer to an example of `task`: multi-line for RULER's tasks (lists of
+    /// values and words), else the first line.
+    pub(crate) fn for_task(lm: &'a LoadedModel, task: &str) -> Self {
+        Self {
+            multi_line: RulerTask::parse(task).is_some(),
+            ..Self::new(lm)
         }
     }
 
@@ -77,13 +90,17 @@ impl<'a> AnswerText<'a> {
                 return false;
             }
         }
-        !self.text.trim_start().contains('\n')
+        self.multi_line || !self.text.trim_start().contains('\n')
     }
 
-    /// The answer's first line, trimmed.
+    /// The answer's first line (every line, joined by spaces, for a multi-line answer),
+    /// trimmed.
     pub(crate) fn finish(self) -> Result<String> {
         if let Some(e) = self.failed {
             return Err(e);
+        }
+        if self.multi_line {
+            return Ok(self.text.split_whitespace().collect::<Vec<_>>().join(" "));
         }
         Ok(self
             .text
@@ -532,15 +549,15 @@ impl<'a> Runner<'a> {
         Ok(stats)
     }
 
-    /// The greedy answer to `ex` under `edits`: generated up to a newline or a stop
-    /// token, at most `max_new` tokens, trimmed.
+    /// The greedy answer to `ex` under `edits`: generated up to a newline (RULER's
+    /// tasks: every line) or a stop token, at most `max_new` tokens, trimmed.
     fn answer(&self, ex: &Example, edits: &Interventions) -> Result<String> {
         let opts = GenerateOptions {
             max_new: self.spec.max_new,
             stop: self.lm.special.stop.clone(),
             ..GenerateOptions::default()
         };
-        let mut answer = AnswerText::new(self.lm);
+        let mut answer = AnswerText::for_task(self.lm, &ex.task);
         generate(
             &self.lm.model,
             &ex.prompt,
@@ -786,6 +803,18 @@ impl<'d> Sources<'d> {
                     enc,
                     entry.limit,
                 )?)
+            }
+            TaskSource::Ruler(task) => {
+                let qa = match task {
+                    RulerTask::Qa => {
+                        hotpotqa::qa_items(&self.dir("hotpotqa/hotpot_dev_distractor_200.jsonl")?)?
+                    }
+                    _ => Vec::new(),
+                };
+                let hay = self.haystack()?;
+                let mut exs = ruler::generate(task, &entry.lengths, &seeds, enc, hay, &qa)?;
+                exs.truncate(entry.limit.unwrap_or(exs.len()));
+                exs
             }
             TaskSource::Control(kind) => controls::pool(
                 kind,

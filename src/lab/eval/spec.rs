@@ -40,6 +40,7 @@ use figment::Figment;
 use serde::{Deserialize, Serialize};
 
 use crate::lab::eval::controls::ControlKind;
+use crate::lab::eval::datasets::ruler::RulerTask;
 use crate::metrics::Metric;
 use crate::policy::ablation::AblationMode;
 use crate::{Error, Result};
@@ -165,12 +166,17 @@ pub enum TaskSource {
     Babilong(u8),
     /// A specificity control.
     Control(ControlKind),
+    /// A RULER-style task generated from its seeds.
+    Ruler(RulerTask),
 }
 
 impl TaskSource {
     /// Parse a task name; errors list the known names.
     pub fn parse(name: &str) -> Result<Self> {
         use crate::lab::tasks::TaskKind;
+        if let Some(task) = RulerTask::parse(name) {
+            return Ok(TaskSource::Ruler(task));
+        }
         Ok(match name {
             "niah" => TaskSource::Needle(TaskKind::Niah),
             "nolima" => TaskSource::Needle(TaskKind::Nolima),
@@ -191,7 +197,9 @@ impl TaskSource {
                         format!(
                             "unknown task `{name}` (known: niah, nolima, nolima_control, \
                              hotpotqa, musique, babilong_qa1..babilong_qa5, control_capital, \
-                             control_city, control_arithmetic)"
+                             control_city, control_arithmetic, ruler_niah_single, \
+                             ruler_niah_multikey, ruler_niah_multivalue, ruler_niah_multiquery, \
+                             ruler_vt, ruler_cwe, ruler_fwe, ruler_qa)"
                         ),
                     ))
                 }

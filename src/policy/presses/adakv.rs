@@ -74,6 +74,10 @@ impl Press for Adakv {
         true
     }
 
+    fn presses_tokens(&self) -> bool {
+        true
+    }
+
     fn label(&self) -> Option<String> {
         Some(format!("adakv-{}", self.press.name()))
     }

@@ -46,11 +46,16 @@ impl Press for Knorm {
             compression_ratio: self.compression_ratio,
             scorer: Arc::new(KeyNorm),
             budget: Budget::PerHead,
+            exempt: Vec::new(),
         });
         Ok(())
     }
 
     fn sets_retention(&self) -> bool {
+        true
+    }
+
+    fn presses_tokens(&self) -> bool {
         true
     }
 }

@@ -45,6 +45,11 @@ pub trait Press {
         false
     }
 
+    /// Whether this policy is a token press (it evicts prompt positions by a score).
+    fn presses_tokens(&self) -> bool {
+        false
+    }
+
     /// Its name in reports when that is not its TOML `type` (e.g. `dynamic_oracle`).
     fn label(&self) -> Option<String> {
         None

@@ -40,11 +40,16 @@ impl Press for ObservedAttention {
             compression_ratio: self.compression_ratio,
             scorer: Arc::new(MeanAttention),
             budget: Budget::PerHead,
+            exempt: Vec::new(),
         });
         Ok(())
     }
 
     fn sets_retention(&self) -> bool {
+        true
+    }
+
+    fn presses_tokens(&self) -> bool {
         true
     }
 }

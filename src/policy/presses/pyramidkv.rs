@@ -71,11 +71,16 @@ impl Press for Pyramidkv {
                 window: self.window_size,
                 beta: self.beta,
             },
+            exempt: Vec::new(),
         });
         Ok(())
     }
 
     fn sets_retention(&self) -> bool {
+        true
+    }
+
+    fn presses_tokens(&self) -> bool {
         true
     }
 }

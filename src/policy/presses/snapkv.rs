@@ -64,11 +64,16 @@ impl Press for Snapkv {
                 kernel: self.kernel_size,
             }),
             budget: Budget::PerHead,
+            exempt: Vec::new(),
         });
         Ok(())
     }
 
     fn sets_retention(&self) -> bool {
+        true
+    }
+
+    fn presses_tokens(&self) -> bool {
         true
     }
 }

@@ -37,11 +37,16 @@ impl Press for Tova {
             compression_ratio: self.compression_ratio,
             scorer: Arc::new(LastQuery),
             budget: Budget::PerHead,
+            exempt: Vec::new(),
         });
         Ok(())
     }
 
     fn sets_retention(&self) -> bool {
+        true
+    }
+
+    fn presses_tokens(&self) -> bool {
         true
     }
 }

@@ -30,6 +30,7 @@ use std::path::Path;
 
 use serde::Deserialize;
 
+use super::ruler::QaItem;
 use super::{empty_field, load_jsonl, question_suffix, reading_prompt, Loaded};
 use crate::lab::eval::Example;
 use crate::lab::tasks::Encoder;
@@ -56,6 +57,39 @@ struct Row {
 /// tokenizer failures. Unusable rows are reported in [`Loaded::skipped`].
 pub fn load(path: &Path, enc: &Encoder, limit: Option<usize>) -> Result<Loaded> {
     load_jsonl(path, limit, |row: Row| example(row, enc))
+}
+
+/// The questions of the JSONL file at `path` as RULER's QA task reads them: each row's
+/// supporting paragraphs and its other paragraphs as `"{title}: {text}"`. Rows that
+/// cannot be read, or have no supporting paragraph, are left out.
+///
+/// Errors: [`Error::Io`](crate::Error::Io) naming the path when it cannot be read.
+pub fn qa_items(path: &Path) -> Result<Vec<QaItem>> {
+    let text = std::fs::read_to_string(path).map_err(|e| crate::Error::io(path, e))?;
+    let mut items = Vec::new();
+    for line in text.lines().filter(|l| !l.trim().is_empty()) {
+        let Ok(row) = serde_json::from_str::<Row>(line) else {
+            continue;
+        };
+        let gold_titles: Vec<&str> = row.supporting_facts.iter().map(|f| f.0.as_str()).collect();
+        let (mut gold, mut distractors) = (Vec::new(), Vec::new());
+        for (title, sentences) in &row.context {
+            let paragraph = format!("{}: {}", title.trim(), sentences.concat().trim());
+            match gold_titles.contains(&title.as_str()) {
+                true => gold.push(paragraph),
+                false => distractors.push(paragraph),
+            }
+        }
+        if !gold.is_empty() && !row.answer.trim().is_empty() {
+            items.push(QaItem {
+                question: row.question.trim().to_string(),
+                answer: row.answer.trim().to_string(),
+                gold,
+                distractors,
+            });
+        }
+    }
+    Ok(items)
 }
 
 /// The example of one row, or the reason to skip it.

@@ -1,6 +1,6 @@
 //! Loaders for the real evaluation datasets, each turning its rows into tokenized
 //! [`Example`]s: HotpotQA ([`hotpotqa`]), MuSiQue ([`musique`]) and BABILong-style bAbI
-//! tasks ([`babilong`]).
+//! tasks ([`babilong`]); and the RULER-style tasks generated from a seed ([`ruler`]).
 //!
 //! ## Prompts
 //!
@@ -21,6 +21,7 @@
 pub mod babilong;
 pub mod hotpotqa;
 pub mod musique;
+pub mod ruler;
 
 use std::collections::HashSet;
 use std::fmt;
