@@ -503,8 +503,9 @@ pub fn write_report(dir: &Path) -> Result<Vec<ResultRecord>> {
          `kv_fraction` is the policy's resident hot KV bytes at the end of the answer over \
          the `full` policy's on the same example (counted from the allocations); `cold` is \
          the dynamic policies' compressed history, reported apart. Policies marked \
-         `full_then_evict` share one full prefill per example; only what each head keeps \
-         for decoding differs.\n\n",
+         `full_then_evict` share one full prefill per example, and token presses told where \
+         the question starts one prefill of the context (observed once for all of them); \
+         only what each head keeps for decoding differs.\n\n",
         info.spec.name, info.made.command, info.model, info.model_sha256, info.candidate_kv_heads
     );
     let push = |summary: &mut Vec<ResultRecord>,
