@@ -14,8 +14,9 @@ use common::{
 };
 use headwise::model::{
     generate as plain_generate, Config, GenerateOptions, Interventions, Model, ModelId, NoObserver,
-    Numerics,
+    Numerics, DEFAULT_CHUNK,
 };
+use headwise::policy::evict::Observe;
 use headwise::policy::ranking::HeadMatrix;
 use headwise::policy::ranking::{Provenance, Ranking};
 use headwise::policy::{generate, Plan, Policy, PolicyGeneration, Prefilled};
@@ -256,8 +257,20 @@ fn check_press(
     policy: &str,
     choose: &dyn Fn(&Seen, usize) -> Vec<Vec<usize>>,
 ) -> PolicyGeneration {
+    check_press_in_chunks(cfg, context, policy, choose, DEFAULT_CHUNK)
+}
+
+/// [`check_press`] with the prefill in chunks of `chunk` tokens.
+fn check_press_in_chunks(
+    cfg: Config,
+    context: Option<usize>,
+    policy: &str,
+    choose: &dyn Fn(&Seen, usize) -> Vec<Vec<usize>>,
+    chunk: usize,
+) -> PolicyGeneration {
     let w = Weights::random(cfg.clone(), 19);
-    let model = w.model(Numerics::Fast);
+    let mut model = w.model(Numerics::Fast);
+    model.set_chunk(chunk);
     let p = plan(&model, policy, Path::new("."));
     let opts = GenerateOptions {
         context_len: context,
@@ -380,6 +393,51 @@ fn snap_scores(s: &Seen, l: usize, kv: usize, w: usize, k: usize) -> Vec<f64> {
         .collect()
 }
 
+const SNAPKV: &str = "type = \"snapkv\"\ncompression_ratio = 0.5\nwindow_size = 4\nkernel_size = 3";
+const TOVA: &str = "type = \"tova\"\ncompression_ratio = 0.5";
+const H2O: &str = "type = \"observed_attention\"\ncompression_ratio = 0.5";
+
+/// snapkv, window 4 and kernel 3: each KV head keeps its floor(n / 2) best.
+fn snap_half(s: &Seen, l: usize) -> Vec<Vec<usize>> {
+    (0..s.cfg.n_kv_heads)
+        .map(|kv| top(&snap_scores(s, l, kv, 4, 3), s.n / 2))
+        .collect()
+}
+
+/// tova: the last position's attention summed over every head of the layer.
+fn tova_half(s: &Seen, l: usize) -> Vec<Vec<usize>> {
+    let last = s.n - 1;
+    let scores: Vec<f64> = (0..s.n)
+        .map(|j| match j == last {
+            true => f64::INFINITY,
+            false => (0..s.cfg.n_heads)
+                .map(|h| s.attention[l][h][last][j])
+                .sum::<f64>(),
+        })
+        .collect();
+    vec![top(&scores, s.n / 2); s.cfg.n_kv_heads]
+}
+
+/// observed_attention: every query's attention to a row, over the queries that see it,
+/// summed over the group.
+fn h2o_half(s: &Seen, l: usize) -> Vec<Vec<usize>> {
+    (0..s.cfg.n_kv_heads)
+        .map(|kv| {
+            let scores: Vec<f64> = (0..s.n)
+                .map(|j| {
+                    let sum: f64 = s
+                        .group(kv)
+                        .flat_map(|h| (j..s.n).map(move |q| (h, q)))
+                        .map(|(h, q)| s.attention[l][h][q][j])
+                        .sum();
+                    sum / (s.n - j) as f64
+                })
+                .collect();
+            top(&scores, s.n / 2)
+        })
+        .collect()
+}
+
 #[test]
 fn attention_presses_keep_what_the_brute_force_attention_says() {
     let configs = [
@@ -389,50 +447,9 @@ fn attention_presses_keep_what_the_brute_force_attention_says() {
         (tiny_gemma_config(), Some(12)),
     ];
     for (cfg, context) in configs {
-        // snapkv, window 4 and kernel 3: keep floor(n / 2) per KV head.
-        let snap = |s: &Seen, l: usize| -> Vec<Vec<usize>> {
-            (0..s.cfg.n_kv_heads)
-                .map(|kv| top(&snap_scores(s, l, kv, 4, 3), s.n / 2))
-                .collect()
-        };
-        let policy = "type = \"snapkv\"\ncompression_ratio = 0.5\nwindow_size = 4\nkernel_size = 3";
-        check_press(cfg.clone(), context, policy, &snap);
-        // tova: the last position's attention averaged over every head of the layer.
-        let tova = |s: &Seen, l: usize| -> Vec<Vec<usize>> {
-            let last = s.n - 1;
-            let scores: Vec<f64> = (0..s.n)
-                .map(|j| match j == last {
-                    true => f64::INFINITY,
-                    false => (0..s.cfg.n_heads)
-                        .map(|h| s.attention[l][h][last][j])
-                        .sum::<f64>(),
-                })
-                .collect();
-            vec![top(&scores, s.n / 2); s.cfg.n_kv_heads]
-        };
-        let policy = "type = \"tova\"\ncompression_ratio = 0.5";
-        check_press(cfg.clone(), context, policy, &tova);
-        // observed_attention: every query's attention to a row, over the queries that
-        // see it, averaged over the group.
-        let h2o = |s: &Seen, l: usize| -> Vec<Vec<usize>> {
-            (0..s.cfg.n_kv_heads)
-                .map(|kv| {
-                    let scores: Vec<f64> = (0..s.n)
-                        .map(|j| {
-                            let sum: f64 = s
-                                .group(kv)
-                                .flat_map(|h| (j..s.n).map(move |q| (h, q)))
-                                .map(|(h, q)| s.attention[l][h][q][j])
-                                .sum();
-                            sum / (s.n - j) as f64
-                        })
-                        .collect();
-                    top(&scores, s.n / 2)
-                })
-                .collect()
-        };
-        let policy = "type = \"observed_attention\"\ncompression_ratio = 0.5";
-        check_press(cfg.clone(), context, policy, &h2o);
+        check_press(cfg.clone(), context, SNAPKV, &snap_half);
+        check_press(cfg.clone(), context, TOVA, &tova_half);
+        check_press(cfg.clone(), context, H2O, &h2o_half);
     }
     // pyramidkv on a context of 12, ratio 0.5, window 4, beta 20: the mean budget is 6,
     // min 0.3 and max 11.7, the max capped at 12 - 4 = 8 and the min raised to 4; the
@@ -838,4 +855,83 @@ fn a_chunk_over_tiered_heads_reads_the_whole_history() {
     // a chunk reads the cold history (up to f16 rounding); the ring alone does not
     let gap = max_abs(&ring, &want);
     assert!(max_abs(&tiered, &want) < 0.01 * gap, "{gap}");
+}
+
+#[test]
+fn attention_adds_up_over_chunks_and_one_observed_prefill_serves_every_press() {
+    // Chunks of 3 tokens: every observed range spans chunks and starts inside one.
+    for policy in [SNAPKV, TOVA, H2O] {
+        let choose: &dyn Fn(&Seen, usize) -> Vec<Vec<usize>> = match policy {
+            SNAPKV => &snap_half,
+            TOVA => &tova_half,
+            _ => &h2o_half,
+        };
+        for context in [None, Some(12)] {
+            check_press_in_chunks(tiny_config(), context, policy, choose, 3);
+        }
+    }
+    // One prefill of the context, observed for all three, gives each press what its own
+    // prefill gives it; one that observed nothing is refused.
+    let mut model = Weights::random(tiny_config(), 19).model(Numerics::Fast);
+    model.set_chunk(3);
+    let opts = GenerateOptions {
+        context_len: Some(12),
+        ..opts()
+    };
+    let observes = [Observe::All, Observe::Last(4), Observe::Last(1)];
+    let context = &PROMPT[..13];
+    let none = Interventions::new();
+    let capacity = PROMPT.len() + NEW;
+    let shared = Prefilled::observed(&model, &none, context, capacity, &observes).unwrap();
+    let unobserved = Prefilled::run(&model, &none, context, capacity).unwrap();
+    for policy in [SNAPKV, TOVA, H2O] {
+        let p = plan(&model, policy, Path::new("."));
+        let run = |pre: Option<&Prefilled>| {
+            let mut got = Vec::new();
+            let g = generate(&model, &p, PROMPT, &opts, pre, None, &mut |_, l, _| {
+                got.push(l.clone());
+                true
+            })
+            .unwrap();
+            (g.generation.tokens, rows(&got))
+        };
+        let (own_tokens, own) = run(None);
+        let (tokens, logits) = run(Some(&shared));
+        assert_eq!(tokens, own_tokens, "{policy}");
+        assert!(row_diff(&logits, &own) < 1e-4, "{policy}");
+        let err = generate(
+            &model,
+            &p,
+            PROMPT,
+            &opts,
+            Some(&unobserved),
+            None,
+            &mut |_, _, _| true,
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("prefill"), "{policy}: {err}");
+    }
+}
+
+#[test]
+fn a_one_token_prompt_has_nothing_to_press() {
+    let model = Weights::random(tiny_config(), 19).model(Numerics::Fast);
+    for policy in [
+        SNAPKV,
+        TOVA,
+        H2O,
+        "type = \"knorm\"\ncompression_ratio = 0.5",
+    ] {
+        let p = plan(&model, policy, Path::new("."));
+        let g = generate(
+            &model,
+            &p,
+            &PROMPT[..1],
+            &opts(),
+            None,
+            None,
+            &mut |_, _, _| true,
+        );
+        assert_eq!(g.unwrap().generation.tokens.len(), NEW, "{policy}");
+    }
 }

@@ -86,8 +86,8 @@ pub enum Budget {
     /// Every KV head keeps `floor(n (1 - r))` (kvpress's `ScorerPress`).
     PerHead,
     /// PyramidKV: the pressed layers' budgets fall linearly with depth, from about
-    /// `2 n (1 - r)` to `n (1 - r) / beta`, averaging `n (1 - r)`; the observation
-    /// `window` stays inside every budget.
+    /// `2 n (1 - r)` to `n (1 - r) / beta`, averaging `n (1 - r)`, none below the
+    /// observation `window`; equal budgets where that shape does not fit.
     Pyramid { window: usize, beta: f64 },
     /// AdaKV: a layer keeps `n_kv_heads * floor(n (1 - r))` rows chosen across its heads
     /// by score, each head at least `alpha` of its equal share.
@@ -120,6 +120,10 @@ impl Eviction {
             .filter(|&l| cfg.layer(l).window.is_none())
             .collect();
         let group = cfg.n_heads / cfg.n_kv_heads;
+        if cache.is_empty() {
+            // A prompt of one token: nothing before it to press.
+            return Ok(());
+        }
         for (depth, &layer) in pressed.iter().enumerate() {
             let heads: Vec<usize> = (0..cfg.n_kv_heads)
                 .filter(|&h| {
@@ -189,8 +193,9 @@ fn kept_rows(n: usize, ratio: f64) -> usize {
 
 /// PyramidKV's budget for the pressed layer `depth` of `layers`: linear in depth from
 /// `max` to `min`, where `min = n (1 - r) / beta` and `max = 2 n (1 - r) - min` (capped
-/// at `n - window`, `min` raised to keep the mean); an equal budget where that shape
-/// does not fit (`min` below the window, a single layer).
+/// at `n - window`, `min` raised to keep the mean); an equal budget, `round(n (1 - r))`
+/// as kvpress rounds it, where that shape does not fit (`min` below the window, a single
+/// layer).
 pub(crate) fn pyramid_budget(
     n: usize,
     ratio: f64,
@@ -209,7 +214,7 @@ pub(crate) fn pyramid_budget(
     }
     let fits = n as f64 >= max && max >= min && min >= window as f64;
     if !fits || layers < 2 {
-        return kept_rows(n, ratio);
+        return mean.round() as usize;
     }
     let step = (max - min) / (layers - 1) as f64;
     ((max - depth as f64 * step).round() as usize).min(n)

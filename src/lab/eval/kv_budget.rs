@@ -30,8 +30,8 @@
 //! Every `full_then_evict` policy shares one full prefill per example (the prompt's
 //! representations are then identical across policies, and only what each head keeps
 //! for decoding differs); presses told where the question starts share one prefill of
-//! the context, run once with the attention all of them read; `stream` policies prefill
-//! on their own. The `dynamic_oracle`
+//! the context (the attention presses one run with the attention all of them read, the
+//! key-only presses an unobserved one); `stream` policies prefill on their own. The `dynamic_oracle`
 //! labels come from a full-cache run of the same example on the shared prefill.
 //! `records.jsonl` gets one line per (example, policy), so a run resumes where it
 //! stopped; `headwise eval report`-style output (`summary.json`, `README.md`, SVGs) is
@@ -330,22 +330,26 @@ pub fn run(
         let need = |p: &Plan| -> Result<Option<PrefillNeed>> {
             Ok(prefill_need(p, ex.prompt.len(), &opts)?.filter(|_| p.edits.is_empty()))
         };
-        let mut needs: BTreeMap<usize, Vec<Observe>> = BTreeMap::new();
+        // Keyed by (length, whether attention is observed): presses that read only keys
+        // get an unobserved prefill, which runs the fast path and is timed alone.
+        let key = |n: &PrefillNeed| (n.len, n.observe != Observe::Keys);
+        let mut needs: BTreeMap<(usize, bool), Vec<Observe>> = BTreeMap::new();
         for (_, p) in &todo {
             if let Some(n) = need(p)? {
-                needs.entry(n.len).or_default().push(n.observe);
+                needs.entry(key(&n)).or_default().push(n.observe);
             }
         }
-        let shared: BTreeMap<usize, Prefilled> = needs
+        let shared: BTreeMap<(usize, bool), Prefilled> = needs
             .iter()
-            .map(|(&len, observes)| {
+            .map(|(&(len, observed), observes)| {
                 let pre = &ex.prompt[..len];
                 let edits = Interventions::new();
-                Prefilled::observed(&lm.model, &edits, pre, capacity, observes).map(|p| (len, p))
+                Prefilled::observed(&lm.model, &edits, pre, capacity, observes)
+                    .map(|p| ((len, observed), p))
             })
             .collect::<Result<_>>()?;
         let oracle = match (
-            shared.get(&ex.prompt.len()),
+            shared.get(&(ex.prompt.len(), false)),
             todo.iter()
                 .any(|(p, _)| p.policy.name() == "dynamic_oracle"),
         ) {
@@ -354,7 +358,7 @@ pub fn run(
         };
         for (named, plan) in todo {
             let t0 = Instant::now();
-            let prefilled = need(plan)?.and_then(|n| shared.get(&n.len));
+            let prefilled = need(plan)?.and_then(|n| shared.get(&key(&n)));
             let mut answer = AnswerText::for_task(lm, task);
             let labels = plan
                 .dynamic
@@ -504,8 +508,9 @@ pub fn write_report(dir: &Path) -> Result<Vec<ResultRecord>> {
          the `full` policy's on the same example (counted from the allocations); `cold` is \
          the dynamic policies' compressed history, reported apart. Policies marked \
          `full_then_evict` share one full prefill per example, and token presses told where \
-         the question starts one prefill of the context (observed once for all of them); \
-         only what each head keeps for decoding differs.\n\n",
+         the question starts one prefill of the context (one observed for the attention \
+         presses, one not for the key-only ones); only what each head keeps for decoding \
+         differs.\n\n",
         info.spec.name, info.made.command, info.model, info.model_sha256, info.candidate_kv_heads
     );
     let push = |summary: &mut Vec<ResultRecord>,

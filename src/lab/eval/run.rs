@@ -68,11 +68,11 @@ impl<'a> AnswerText<'a> {
         }
     }
 
-    /// The answer to an example of `task`: multi-line for RULER's tasks (lists of
-    /// values and words), else the first line.
+    /// The answer to an example of `task`: multi-line for RULER's list tasks (values,
+    /// names, words), else the first line.
     pub(crate) fn for_task(lm: &'a LoadedModel, task: &str) -> Self {
         Self {
-            multi_line: RulerTask::parse(task).is_some(),
+            multi_line: RulerTask::parse(task).is_some_and(RulerTask::lists),
             ..Self::new(lm)
         }
     }
@@ -549,7 +549,7 @@ impl<'a> Runner<'a> {
         Ok(stats)
     }
 
-    /// The greedy answer to `ex` under `edits`: generated up to a newline (RULER's
+    /// The greedy answer to `ex` under `edits`: generated up to a newline (RULER's list
     /// tasks: every line) or a stop token, at most `max_new` tokens, trimmed.
     fn answer(&self, ex: &Example, edits: &Interventions) -> Result<String> {
         let opts = GenerateOptions {

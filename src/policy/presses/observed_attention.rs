@@ -4,7 +4,8 @@
 //! Efficient Generative Inference of Large Language Models"; kvpress's
 //! `ObservedAttentionPress`), averaged over the KV head's query heads. The prefill runs
 //! with its attention probabilities observed, which costs time (the fast blocked
-//! prefill is not used), not memory beyond one chunk's probabilities.
+//! prefill is not used) and memory: one chunk's probabilities at a time, and the sums,
+//! `n_heads x n` floats per pressed layer (not counted in the reported KV bytes).
 //!
 //! ```toml
 //! type = "observed_attention"

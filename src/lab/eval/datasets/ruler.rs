@@ -28,7 +28,8 @@
 //!
 //! Lengths: needle and variable-tracking prompts hold exactly `length` tokens (the
 //! haystack fills what the instruction, needles and question leave); word lists and QA
-//! hold at most `length` (the longest list, the most whole paragraphs that fit). The
+//! hold at most `length` (the longest list, the most whole paragraphs that fit; items
+//! that run out more than 256 tokens short are an error). The
 //! question starts where `Example::question_start` says, so a query-agnostic press
 //! compresses the context alone.
 
@@ -85,6 +86,15 @@ impl RulerTask {
     /// The task named `name`, if it is one.
     pub fn parse(name: &str) -> Option<Self> {
         Self::ALL.into_iter().find(|t| t.name() == name)
+    }
+
+    /// Whether its answer is a list (several values, names or words), written over
+    /// lines as often as not.
+    pub fn lists(self) -> bool {
+        !matches!(
+            self,
+            RulerTask::NiahSingle | RulerTask::NiahMultikey | RulerTask::Qa
+        )
     }
 
     /// How its answers are scored.
@@ -170,6 +180,9 @@ pub fn generate(
 
 /// Tokens left free for the answers (the longest, ten words, fits).
 const ANSWER_ROOM: usize = 64;
+
+/// How far short of its length a list or QA prompt may fall when its items run out.
+const SHORT_BY: usize = 256;
 
 /// An example before it is fitted to its length.
 struct Draft {
@@ -417,7 +430,7 @@ fn frequent_words(rng: &mut SplitMix64) -> Draft {
     // At c = 36 the top four counts are 36, 9, 4, 2: the top three stand apart. Each
     // further c adds the copies that raise every count to its floor at c.
     let fixed = copies(36);
-    let optional = (37..=4_000)
+    let optional = (37..=12_000)
         .map(|c| {
             (1..=vocab.len())
                 .filter(|&r| count(c, r) > count(c - 1, r))
@@ -619,7 +632,16 @@ fn fit_items(
             format!("{id}: {len} tokens do not hold the task's fixed items"),
         ));
     }
-    // The most optional items that fit: sizes grow with the count.
+    // The items must reach the length, within a group or two.
+    let most = size(optional.len())?;
+    if most + SHORT_BY < room {
+        return Err(Error::invalid(
+            "lengths",
+            format!("{id}: the task's items fill {most} of the {room} tokens {len} leaves"),
+        ));
+    }
+    // The most optional items that fit: sizes grow with the count (nearly: each count is
+    // shuffled anew, so the fit may fall a group short of the largest).
     let (mut lo, mut hi) = (0, optional.len());
     while lo < hi {
         let mid = (lo + hi).div_ceil(2);
