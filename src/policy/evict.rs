@@ -107,6 +107,17 @@ pub struct Eviction {
 }
 
 impl Eviction {
+    /// Drop `compression_ratio` of every KV head's rows by `scorer`, an equal budget per
+    /// head, no head exempt.
+    pub fn new(compression_ratio: f64, scorer: impl TokenScorer + 'static) -> Self {
+        Self {
+            compression_ratio,
+            scorer: Arc::new(scorer),
+            budget: Budget::PerHead,
+            exempt: Vec::new(),
+        }
+    }
+
     /// Evict from every store of `cache` that keeps every position (the KV heads of
     /// layers without a window of their own), but the exempt ones. `observed` holds the
     /// attention the scorer asked for ([`TokenScorer::observes`]).

@@ -70,10 +70,6 @@ impl Press for Adakv {
         Ok(())
     }
 
-    fn sets_retention(&self) -> bool {
-        true
-    }
-
     fn presses_tokens(&self) -> bool {
         true
     }

@@ -18,13 +18,12 @@
 //! compression_ratio = 0.5
 //! ```
 
-use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use crate::policy::evict::{Budget, Eviction, Rows, TokenScorer};
-use crate::policy::plan::{Plan, Prefill};
-use crate::policy::presses::{Press, Target};
+use crate::policy::evict::{Eviction, Rows, TokenScorer};
+use crate::policy::plan::Plan;
+use crate::policy::presses::{press_tokens, Press, Target};
 use crate::{Error, Result};
 
 /// The `knorm` policy's keys.
@@ -41,18 +40,8 @@ impl Press for Knorm {
     }
 
     fn apply(&self, plan: &mut Plan, _target: &Target<'_>) -> Result<()> {
-        plan.prefill = Prefill::FullThenEvict;
-        plan.evict = Some(Eviction {
-            compression_ratio: self.compression_ratio,
-            scorer: Arc::new(KeyNorm),
-            budget: Budget::PerHead,
-            exempt: Vec::new(),
-        });
+        press_tokens(plan, Eviction::new(self.compression_ratio, KeyNorm));
         Ok(())
-    }
-
-    fn sets_retention(&self) -> bool {
-        true
     }
 
     fn presses_tokens(&self) -> bool {

@@ -14,7 +14,8 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::model::{Config, ModelId};
-use crate::policy::plan::Plan;
+use crate::policy::evict::Eviction;
+use crate::policy::plan::{Plan, Prefill};
 use crate::Result;
 
 /// Default attention-sink positions a streaming head keeps.
@@ -40,9 +41,10 @@ pub trait Press {
     /// files, model identity and head ranges fail here, before generation.
     fn apply(&self, plan: &mut Plan, target: &Target<'_>) -> Result<()>;
 
-    /// Whether this policy decides what KV heads keep (a composition has at most one).
+    /// Whether this policy decides what KV heads keep (a composition has at most one);
+    /// every token press does.
     fn sets_retention(&self) -> bool {
-        false
+        self.presses_tokens()
     }
 
     /// Whether this policy is a token press (it evicts prompt positions by a score).
@@ -54,6 +56,12 @@ pub trait Press {
     fn label(&self) -> Option<String> {
         None
     }
+}
+
+/// A token press's part of a plan: the prompt prefilled in full, then `eviction`.
+pub(crate) fn press_tokens(plan: &mut Plan, eviction: Eviction) {
+    plan.prefill = Prefill::FullThenEvict;
+    plan.evict = Some(eviction);
 }
 
 /// The model a policy is resolved for, and where its relative paths start.

@@ -12,14 +12,13 @@
 //! compression_ratio = 0.5
 //! ```
 
-use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use crate::policy::evict::{Budget, Eviction, Observe, Rows, TokenScorer};
-use crate::policy::plan::{Plan, Prefill};
+use crate::policy::evict::{Eviction, Observe, Rows, TokenScorer};
+use crate::policy::plan::Plan;
 use crate::policy::presses::knorm::check_ratio;
-use crate::policy::presses::{Press, Target};
+use crate::policy::presses::{press_tokens, Press, Target};
 use crate::Result;
 
 /// The `observed_attention` policy's keys.
@@ -36,18 +35,8 @@ impl Press for ObservedAttention {
     }
 
     fn apply(&self, plan: &mut Plan, _target: &Target<'_>) -> Result<()> {
-        plan.prefill = Prefill::FullThenEvict;
-        plan.evict = Some(Eviction {
-            compression_ratio: self.compression_ratio,
-            scorer: Arc::new(MeanAttention),
-            budget: Budget::PerHead,
-            exempt: Vec::new(),
-        });
+        press_tokens(plan, Eviction::new(self.compression_ratio, MeanAttention));
         Ok(())
-    }
-
-    fn sets_retention(&self) -> bool {
-        true
     }
 
     fn presses_tokens(&self) -> bool {

@@ -14,17 +14,16 @@
 //! beta = 20.0        # default
 //! ```
 
-use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
 use crate::policy::evict::{Budget, Eviction};
-use crate::policy::plan::{Plan, Prefill};
+use crate::policy::plan::Plan;
 use crate::policy::presses::knorm::check_ratio;
 use crate::policy::presses::snapkv::{
     check_window, default_kernel_size, default_window_size, WindowAttention,
 };
-use crate::policy::presses::{Press, Target};
+use crate::policy::presses::{press_tokens, Press, Target};
 use crate::{Error, Result};
 
 /// The `pyramidkv` policy's keys.
@@ -60,24 +59,22 @@ impl Press for Pyramidkv {
     }
 
     fn apply(&self, plan: &mut Plan, _target: &Target<'_>) -> Result<()> {
-        plan.prefill = Prefill::FullThenEvict;
-        plan.evict = Some(Eviction {
-            compression_ratio: self.compression_ratio,
-            scorer: Arc::new(WindowAttention {
-                window: self.window_size,
-                kernel: self.kernel_size,
-            }),
-            budget: Budget::Pyramid {
-                window: self.window_size,
-                beta: self.beta,
+        let scorer = WindowAttention {
+            window: self.window_size,
+            kernel: self.kernel_size,
+        };
+        let budget = Budget::Pyramid {
+            window: self.window_size,
+            beta: self.beta,
+        };
+        press_tokens(
+            plan,
+            Eviction {
+                budget,
+                ..Eviction::new(self.compression_ratio, scorer)
             },
-            exempt: Vec::new(),
-        });
+        );
         Ok(())
-    }
-
-    fn sets_retention(&self) -> bool {
-        true
     }
 
     fn presses_tokens(&self) -> bool {

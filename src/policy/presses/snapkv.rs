@@ -17,14 +17,13 @@
 //! kernel_size = 5    # default; odd
 //! ```
 
-use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use crate::policy::evict::{Budget, Eviction, Observe, Rows, TokenScorer};
-use crate::policy::plan::{Plan, Prefill};
+use crate::policy::evict::{Eviction, Observe, Rows, TokenScorer};
+use crate::policy::plan::Plan;
 use crate::policy::presses::knorm::check_ratio;
-use crate::policy::presses::{Press, Target};
+use crate::policy::presses::{press_tokens, Press, Target};
 use crate::{Error, Result};
 
 /// The `snapkv` policy's keys.
@@ -56,21 +55,12 @@ impl Press for Snapkv {
     }
 
     fn apply(&self, plan: &mut Plan, _target: &Target<'_>) -> Result<()> {
-        plan.prefill = Prefill::FullThenEvict;
-        plan.evict = Some(Eviction {
-            compression_ratio: self.compression_ratio,
-            scorer: Arc::new(WindowAttention {
-                window: self.window_size,
-                kernel: self.kernel_size,
-            }),
-            budget: Budget::PerHead,
-            exempt: Vec::new(),
-        });
+        let scorer = WindowAttention {
+            window: self.window_size,
+            kernel: self.kernel_size,
+        };
+        press_tokens(plan, Eviction::new(self.compression_ratio, scorer));
         Ok(())
-    }
-
-    fn sets_retention(&self) -> bool {
-        true
     }
 
     fn presses_tokens(&self) -> bool {

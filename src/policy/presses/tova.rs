@@ -8,14 +8,13 @@
 //! compression_ratio = 0.5
 //! ```
 
-use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use crate::policy::evict::{Budget, Eviction, Observe, Rows, TokenScorer};
-use crate::policy::plan::{Plan, Prefill};
+use crate::policy::evict::{Eviction, Observe, Rows, TokenScorer};
+use crate::policy::plan::Plan;
 use crate::policy::presses::knorm::check_ratio;
-use crate::policy::presses::{Press, Target};
+use crate::policy::presses::{press_tokens, Press, Target};
 use crate::{Error, Result};
 
 /// The `tova` policy's keys.
@@ -32,18 +31,8 @@ impl Press for Tova {
     }
 
     fn apply(&self, plan: &mut Plan, _target: &Target<'_>) -> Result<()> {
-        plan.prefill = Prefill::FullThenEvict;
-        plan.evict = Some(Eviction {
-            compression_ratio: self.compression_ratio,
-            scorer: Arc::new(LastQuery),
-            budget: Budget::PerHead,
-            exempt: Vec::new(),
-        });
+        press_tokens(plan, Eviction::new(self.compression_ratio, LastQuery));
         Ok(())
-    }
-
-    fn sets_retention(&self) -> bool {
-        true
     }
 
     fn presses_tokens(&self) -> bool {

@@ -231,20 +231,35 @@ const NOUNS: [&str; 16] = [
     "jacket", "kettle", "lantern", "meadow", "needle", "orchard", "pepper",
 ];
 
-/// `n` distinct "{adjective}-{noun}" keys.
-fn keys(rng: &mut SplitMix64, n: usize) -> Vec<String> {
+/// `n` distinct strings from `draw` (which must be able to give that many).
+fn distinct(
+    rng: &mut SplitMix64,
+    n: usize,
+    draw: impl Fn(&mut SplitMix64) -> String,
+) -> Vec<String> {
     let mut out: Vec<String> = Vec::with_capacity(n);
     while out.len() < n {
-        let k = format!(
-            "{}-{}",
-            ADJECTIVES[rng.below(ADJECTIVES.len())],
-            NOUNS[rng.below(NOUNS.len())]
-        );
-        if !out.contains(&k) {
-            out.push(k);
+        let s = draw(rng);
+        if !out.contains(&s) {
+            out.push(s);
         }
     }
     out
+}
+
+/// `len` random letters from `first` on (`b'A'` or `b'a'`).
+fn letters(rng: &mut SplitMix64, first: u8, len: usize) -> String {
+    (0..len)
+        .map(|_| char::from(first + rng.below(26) as u8))
+        .collect()
+}
+
+/// `n` distinct "{adjective}-{noun}" keys.
+fn keys(rng: &mut SplitMix64, n: usize) -> Vec<String> {
+    distinct(rng, n, |rng| {
+        let adjective = ADJECTIVES[rng.below(ADJECTIVES.len())];
+        format!("{adjective}-{}", NOUNS[rng.below(NOUNS.len())])
+    })
 }
 
 fn number(rng: &mut SplitMix64) -> String {
@@ -340,15 +355,7 @@ fn needles(task: RulerTask, rng: &mut SplitMix64) -> Draft {
 
 /// Variable tracking: one chain of five names through four hops.
 fn chain(rng: &mut SplitMix64) -> Draft {
-    let mut names: Vec<String> = Vec::new();
-    while names.len() < 5 {
-        let n: String = (0..5)
-            .map(|_| char::from(b'A' + rng.below(26) as u8))
-            .collect();
-        if !names.contains(&n) {
-            names.push(n);
-        }
-    }
+    let names = distinct(rng, 5, |rng| letters(rng, b'A', 5));
     let value = (10_000 + rng.below(90_000)).to_string();
     let mut sentences = vec![format!("VAR {} = {value}.", names[0])];
     sentences.extend((1..5).map(|i| format!("VAR {} = VAR {}.", names[i], names[i - 1])));
@@ -412,15 +419,7 @@ fn common_words(words: &[String], rng: &mut SplitMix64) -> Result<Draft> {
 /// Frequent words: coded words of rank `r` appear `floor(c / r^2)` times, `c` as large
 /// as fits (each optional group holds the copies that going from `c - 1` to `c` adds).
 fn frequent_words(rng: &mut SplitMix64) -> Draft {
-    let mut vocab: Vec<String> = Vec::new();
-    while vocab.len() < 100 {
-        let w: String = (0..5)
-            .map(|_| char::from(b'a' + rng.below(26) as u8))
-            .collect();
-        if !vocab.contains(&w) {
-            vocab.push(w);
-        }
-    }
+    let vocab = distinct(rng, 100, |rng| letters(rng, b'a', 5));
     let count = |c: usize, r: usize| c / (r * r);
     let copies = |c: usize| -> Vec<String> {
         (1..=vocab.len())
