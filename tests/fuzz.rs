@@ -705,7 +705,8 @@ fn use_ranking(path: &Path) -> bool {
     match Ranking::load(path) {
         Ok(r) => {
             let _ = r.top(20);
-            let _ = r.to_tsv();
+            let _ = headwise::policy::atlas::duo_tsv(&r);
+            let _ = headwise::policy::atlas::heads_json(&r);
             let _ = r.heatmap_svg();
             headwise::policy::ranking::jaccard_top_k(&r, &r, 20).is_finite()
         }

@@ -331,7 +331,15 @@ fn rankings_inconsistent_with_their_own_heads_are_refused_when_read() {
         let out = tmp(&format!("{name}.tsv"));
         let f = p.to_str().unwrap();
         for args in [
-            vec!["heads", "export", f, "--tsv", out.to_str().unwrap()],
+            vec![
+                "heads",
+                "export",
+                f,
+                "--to",
+                "duo",
+                "--out",
+                out.to_str().unwrap(),
+            ],
             vec!["heads", "show", f],
             vec!["heads", "compare", f, f],
         ] {
@@ -343,6 +351,51 @@ fn rankings_inconsistent_with_their_own_heads_are_refused_when_read() {
             assert_one_line_error(code, &err, needle);
         }
         assert!(!out.exists());
+    }
+}
+
+#[test]
+fn a_head_pattern_of_another_model_is_refused_before_a_ranking_is_written() {
+    // Gemma 3's committed ranking, exported in both formats, imported for SmolLM2: the
+    // pattern folder names Gemma's sha256, the JSON has Gemma's 18 x 4 heads.
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let gemma = root.join("policies/rankings/gemma-3-270m-q4_k_m/locos-niah.json");
+    let model = common::real_model();
+    for (format, export, needle) in [
+        (
+            "duo",
+            tmp("gemma-duo"),
+            "was made for the model with sha256",
+        ),
+        ("heads-json", tmp("gemma-heads.json"), "72 heads scored"),
+    ] {
+        let out = tmp(&format!("imported-{format}.json"));
+        let status = Command::new(env!("CARGO_BIN_EXE_headwise"))
+            .args(["heads", "export"])
+            .arg(&gemma)
+            .args(["--to", format, "--out"])
+            .arg(&export)
+            .stderr(Stdio::null())
+            .status()
+            .unwrap();
+        assert!(status.success());
+        let (code, err) = headwise_within(
+            &[
+                OsStr::new("heads"),
+                OsStr::new("import"),
+                export.as_os_str(),
+                OsStr::new("--from"),
+                OsStr::new(format),
+                OsStr::new("--out"),
+                out.as_os_str(),
+                OsStr::new("--model"),
+                model.as_os_str(),
+            ],
+            &[],
+            Duration::from_secs(60),
+        );
+        assert_one_line_error(code, &err, needle);
+        assert!(!out.exists(), "{format}: a ranking was written");
     }
 }
 

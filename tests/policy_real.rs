@@ -1,15 +1,21 @@
 //! The policy presets on the real models: every preset parses, resolves against the
 //! model it names files for, and runs; on a long prompt the compressed policies
-//! keep fewer resident bytes than `full`, and `full` reproduces the plain generation.
+//! keep fewer resident bytes than `full`, and `full` reproduces the plain generation; a
+//! committed ranking exported to the atlas formats and imported again chooses the same
+//! heads.
 
 mod common;
 
 use std::path::Path;
 
 use headwise::model::{
-    generate as plain_generate, GenerateOptions, Interventions, Observer, Wants,
+    generate as plain_generate, Config, GenerateOptions, GgufFile, Interventions, ModelId,
+    Observer, Retention, Wants,
 };
-use headwise::policy::{GenerateRequest, Policy, Prompt, Runtime};
+use headwise::policy::atlas::{self, AtlasFormat};
+use headwise::policy::ranking::Ranking;
+use headwise::policy::{GenerateRequest, Plan, Policy, Prompt, Runtime};
+use headwise::provenance::Made;
 
 /// Wants the final hidden state and keeps nothing: with it, the plain generation runs the
 /// prompt's last token as its own decode step, the schedule every policy runs. (In the
@@ -144,4 +150,71 @@ fn presets_resolve_on_gemma_where_it_has_the_files() {
             }
         }
     }
+}
+
+#[test]
+fn a_ranking_exported_and_imported_again_chooses_the_same_heads_on_the_real_model() {
+    // SmolLM2's committed LOCOS ranking through both atlas formats: the JSON keeps every
+    // query head's score, so static_heads picks the same heads; the pattern keeps each KV
+    // head's maximum, so picking KV heads by it (`gqa = "any"` over a top-k that is a
+    // multiple of the group) gives the KV heads with the best maxima.
+    let path = common::real_model();
+    let cfg = Config::from_gguf(GgufFile::open(&path).unwrap().content()).unwrap();
+    let id = ModelId::of_file(&path).unwrap();
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let source = root.join("policies/rankings/SmolLM2-135M-Instruct.Q4_1/locos-niah.json");
+    let original = Ranking::load(&source).unwrap();
+    let dir = std::env::temp_dir().join(format!("headwise-atlas-real-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let resolve = |ranking: &Path, k: usize| {
+        let text = format!(
+            "type = \"static_heads\"\nheads = {{ ranking = \"{}\", select = {{ top_k = {k} }} }}",
+            ranking.display()
+        );
+        let policy: Policy = toml::from_str(&text).unwrap();
+        Plan::resolve(&policy, &cfg, &id, &dir).unwrap().retention
+    };
+    let json = dir.join("heads.json");
+    atlas::export(
+        &original,
+        AtlasFormat::HeadsJson,
+        &json,
+        (0, 0),
+        Made::now("none"),
+    )
+    .unwrap();
+    let imported =
+        atlas::import(AtlasFormat::HeadsJson, &json, &cfg, &id, Made::now("none")).unwrap();
+    let scores = |r: &Ranking| r.heads.iter().map(|h| h.score).collect::<Vec<f64>>();
+    assert_eq!(scores(&imported), scores(&original));
+    imported.write(&dir.join("from-json.json")).unwrap();
+    assert_eq!(
+        resolve(&dir.join("from-json.json"), 27),
+        resolve(&source, 27)
+    );
+
+    let pattern = dir.join("pattern");
+    atlas::export(
+        &original,
+        AtlasFormat::Duo,
+        &pattern,
+        (16, 256),
+        Made::now("none"),
+    )
+    .unwrap();
+    let imported = atlas::import(AtlasFormat::Duo, &pattern, &cfg, &id, Made::now("none")).unwrap();
+    imported.write(&dir.join("from-duo.json")).unwrap();
+    let kept = resolve(&dir.join("from-duo.json"), 9 * cfg.group_size());
+    let mut best: Vec<(f64, usize)> = original
+        .kv_heads
+        .iter()
+        .enumerate()
+        .map(|(i, k)| (k.max, i))
+        .collect();
+    best.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+    let mut want = vec![false; kept.len()];
+    best.iter().take(9).for_each(|&(_, i)| want[i] = true);
+    let got: Vec<bool> = kept.iter().map(|r| *r == Retention::Full).collect();
+    assert_eq!(got, want);
+    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -1,4 +1,5 @@
-//! `headwise heads score|show|compare|export`: retrieval-head rankings.
+//! `headwise heads score|show|compare|export|import`: retrieval-head rankings, and the
+//! files other tools read (`policy::atlas`).
 
 use std::collections::HashSet;
 use std::io::{BufRead, Write};
@@ -7,11 +8,13 @@ use std::path::{Path, PathBuf};
 use clap::{Subcommand, ValueEnum};
 use headwise::lab::heads::run::{aggregate, LocosSteps, Scorer, TrialOutcome};
 use headwise::lab::tasks::{self, Haystack, TaskKind, TaskSpec};
-use headwise::model::{LoadedModel, ModelId, Numerics};
+use headwise::model::{Config, GgufFile, LoadedModel, ModelId, Numerics};
+use headwise::policy::atlas::{self, AtlasFormat};
+use headwise::policy::presses::{DEFAULT_SINK, DEFAULT_WINDOW};
 use headwise::policy::ranking::{
     check_comparable, jaccard_top_k, spearman, Acceptance, Provenance, Ranking,
 };
-use headwise::provenance::Made;
+use headwise::provenance::{Made, NO_MODEL};
 
 use super::ModelArgs;
 
@@ -126,11 +129,35 @@ pub enum HeadsCommand {
         #[arg(long, default_value_t = 20)]
         top: usize,
     },
-    /// Write a ranking as a DuoAttention-style (layer x KV head) TSV matrix.
+    /// Write a ranking as a DuoAttention pattern folder (a layer x KV head
+    /// `full_attention_heads.tsv` and a `config.json`) or as a `{"L-H": [scores]}`
+    /// retrieval-head JSON (Wu et al.'s and LOCOS's).
     Export {
         file: PathBuf,
+        #[arg(long, value_parser = super::named(&AtlasFormat::ALL, AtlasFormat::name))]
+        to: AtlasFormat,
+        /// The folder (duo) or file (heads-json) to write.
         #[arg(long)]
-        tsv: PathBuf,
+        out: PathBuf,
+        /// Attention-sink positions a pattern's streaming heads keep.
+        #[arg(long, default_value_t = DEFAULT_SINK)]
+        sink: usize,
+        /// Recent positions a pattern's streaming heads keep.
+        #[arg(long, default_value_t = DEFAULT_WINDOW)]
+        recent: usize,
+    },
+    /// Make a ranking (for `static_heads`) from a DuoAttention pattern folder or a
+    /// retrieval-head JSON; the file's shape must be the model's.
+    Import {
+        /// The pattern folder or JSON file.
+        path: PathBuf,
+        #[arg(long, value_parser = super::named(&AtlasFormat::ALL, AtlasFormat::name))]
+        from: AtlasFormat,
+        /// The ranking file to write.
+        #[arg(long)]
+        out: PathBuf,
+        #[command(flatten)]
+        model: ModelArgs,
     },
 }
 
@@ -178,10 +205,30 @@ pub fn run(cmd: HeadsCommand) -> anyhow::Result<()> {
             );
             Ok(())
         }
-        HeadsCommand::Export { file, tsv } => {
+        HeadsCommand::Export {
+            file,
+            to,
+            out,
+            sink,
+            recent,
+        } => {
             let r = Ranking::load(&file)?;
-            headwise::results::write_atomic(&tsv, r.to_tsv().as_bytes())?;
-            eprintln!("wrote {}", tsv.display());
+            atlas::export(&r, to, &out, (sink, recent), Made::now(NO_MODEL))?;
+            eprintln!("wrote {}", out.display());
+            Ok(())
+        }
+        HeadsCommand::Import {
+            path,
+            from,
+            out,
+            model,
+        } => {
+            let model_path = model.resolve()?;
+            let cfg = Config::from_gguf(GgufFile::open(&model_path)?.content())?;
+            let id = ModelId::of_file(&model_path)?;
+            let r = atlas::import(from, &path, &cfg, &id, Made::now(NO_MODEL))?;
+            r.write(&out)?;
+            eprintln!("wrote {}", out.display());
             Ok(())
         }
         HeadsCommand::Score {

@@ -10,11 +10,14 @@
 //!   into a [`Policy`];
 //! - [`plan`]: a policy resolved against one model;
 //! - [`ranking`]: static rankings of the heads (the files under `policies/rankings/`);
+//! - [`atlas`]: rankings to and from DuoAttention pattern folders and retrieval-head
+//!   JSON;
 //! - [`ablation`]: head sets, ablation modes and the mean-ablation calibration;
 //! - [`generate()`]: generation under a plan, with its KV statistics;
 //! - [`runtime`]: the library API, [`Runtime`].
 
 pub mod ablation;
+pub mod atlas;
 pub mod config;
 pub mod evict;
 pub mod generate;

@@ -1,7 +1,7 @@
 //! Ranking files: every head's score with the model's identity, the task and the
 //! provenance (numerics, build, command line, date); per-KV-head aggregates (retention works per KV head); comparison
-//! (Spearman rank correlation, top-K Jaccard), a DuoAttention-style TSV export and a
-//! layer x head heatmap.
+//! (Spearman rank correlation, top-K Jaccard) and a layer x head heatmap; the files
+//! other tools read are `policy::atlas`'s.
 
 use std::path::Path;
 
@@ -109,7 +109,8 @@ pub struct Provenance {
     /// Model file stem and the GGUF's sha256.
     pub model: String,
     pub model_sha256: String,
-    /// `wu` or `locos`.
+    /// `wu` or `locos`, or the format an imported ranking was read from (`duo`,
+    /// `heads-json`).
     pub method: String,
     /// The task spec the trials were generated from (including seeds).
     pub task: serde_json::Value,
@@ -252,23 +253,6 @@ impl Ranking {
         v.sort_by(|a, b| b.score.total_cmp(&a.score));
         v.truncate(k);
         v
-    }
-
-    /// The DuoAttention-style matrix: one row per layer, one tab-separated column per KV
-    /// head, the max over its query heads.
-    pub fn to_tsv(&self) -> String {
-        let mut out = String::new();
-        for layer in 0..self.n_layers {
-            let row: Vec<String> = self
-                .kv_heads
-                .iter()
-                .filter(|k| k.layer == layer)
-                .map(|k| format!("{:.6}", k.max))
-                .collect();
-            out.push_str(&row.join("\t"));
-            out.push('\n');
-        }
-        out
     }
 
     /// A layer (rows) x head (columns) heatmap as SVG, darker = higher score.
@@ -443,7 +427,6 @@ mod tests {
         assert_eq!(r.kv_heads[1].max, 0.0);
         assert_eq!(r.heads[7].kv_head, 1);
         assert_eq!(r.top(2)[0].score, 1.0);
-        assert_eq!(r.to_tsv(), "0.300000\t0.000000\n1.000000\t0.500000\n");
         assert!(r.heatmap_svg().contains("layer 1 head 0: 1.0000"));
     }
 
