@@ -537,6 +537,9 @@ fn bad_policies_fail_before_generation() {
             "type = \"dynamic_heads\"\nprobe = \"no/such/probe.json\"",
             "no/such/probe.json",
         ),
+        ("type = \"snapkv\"\ncompression_ratio = 1.5", "compression_ratio"),
+        ("type = \"quantize\"\nformat = \"f32\"", "format"),
+        ("type = \"quantize\"\nformat = \"q4_0\"", "q4_0"),
     ];
     for (i, (text, needle)) in cases.iter().enumerate() {
         let p = dir.join(format!("p{i}.toml"));

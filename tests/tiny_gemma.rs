@@ -175,6 +175,7 @@ fn key_restrictions_compose_with_the_window() {
         &BruteEdits {
             visible: &visible,
             output: &|_, _| None,
+            stored: &|_, _, row| row.to_vec(),
         },
     );
     for numerics in [Numerics::Fast, Numerics::Reference, Numerics::Ggml] {

@@ -69,6 +69,7 @@ fn gqa_query_heads_read_their_own_kv_head() {
     let brute = BruteEdits {
         visible: &|_, h, _, _| h < 3,
         output: &|_, _| None,
+        stored: &|_, _, row| row.to_vec(),
     };
     let want = brute_force_logits(&w, TOKENS, &brute);
     assert!(max_diff(&got, &want) < 1e-4);
@@ -167,6 +168,7 @@ fn replacing_a_head_output_and_sink_window_match_brute_force() {
     let brute = BruteEdits {
         visible: &|l, h, q, k| !(l == 1 && h == 0) || k < 2 || k + 3 > q,
         output: &|l, h| (l == 0 && h == 2).then(|| mean.clone()),
+        stored: &|_, _, row| row.to_vec(),
     };
     let want = brute_force_logits(&w, TOKENS, &brute);
     assert!(max_diff(&got, &want) < 1e-4);

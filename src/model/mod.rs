@@ -22,7 +22,7 @@ pub mod session;
 pub mod tokenizer;
 pub mod transformer;
 
-pub use cache::{ColdFormat, HeadCache, KvBytes, KvCache, Retention, TopK};
+pub use cache::{HeadCache, KvBytes, KvCache, Retention, RowFormat, TopK};
 pub use config::{Architecture, Config, LayerSpec, RopeStyle, SlidingWindow};
 pub use generate::{generate, GenerateOptions, Generation, Sampler, Sampling, StopReason};
 pub use gguf::{GgufFile, ModelId};

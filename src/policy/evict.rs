@@ -158,7 +158,7 @@ impl Eviction {
                     }
                 };
                 let rows = Rows {
-                    keys,
+                    keys: &keys,
                     d_head: cfg.d_head,
                     group: kv_head * group..(kv_head + 1) * group,
                     attention,

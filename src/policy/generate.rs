@@ -252,7 +252,7 @@ pub fn generate(
                     &own
                 }
             };
-            let mut cache = HeadCache::from_kv(cfg, &pre.kv, &plan.retention, capacity)?;
+            let mut cache = HeadCache::from_kv(cfg, &pre.kv, &plan.retention, plan.rows, capacity)?;
             let mut peak = pre.bytes() + cache.bytes().total();
             if let Some(eviction) = &plan.evict {
                 eviction.press(&mut cache, cfg, pre.attention.as_ref())?;
@@ -270,7 +270,7 @@ pub fn generate(
             (session, hidden, peak)
         }
         Prefill::Stream => {
-            let cache = HeadCache::new(cfg, &plan.retention, capacity)?;
+            let cache = HeadCache::new(cfg, &plan.retention, plan.rows, capacity)?;
             let mut session = Session::with_cache(model, cache);
             let mut obs = LastHidden::new(true);
             if prompt.len() > 1 {

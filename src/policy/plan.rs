@@ -7,7 +7,7 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use crate::model::{Config, Interventions, ModelId, Retention, TopK};
+use crate::model::{Config, Interventions, ModelId, Retention, RowFormat, TopK};
 use crate::policy::config::Policy;
 use crate::policy::evict::Eviction;
 use crate::policy::presses::Target;
@@ -60,6 +60,8 @@ pub struct Plan {
     pub dynamic: Option<Dynamic>,
     /// Token eviction after the prompt's prefill.
     pub evict: Option<Eviction>,
+    /// How every store holds its rows (f32 unless a `quantize` part says otherwise).
+    pub rows: RowFormat,
     n_heads: usize,
     n_kv_heads: usize,
     /// Per KV head: whether its layer has no sliding window of its own (the heads a
@@ -82,6 +84,7 @@ impl Plan {
             prefill: Prefill::Stream,
             dynamic: None,
             evict: None,
+            rows: RowFormat::F32,
             n_heads: cfg.n_heads,
             n_kv_heads: cfg.n_kv_heads,
             candidates,

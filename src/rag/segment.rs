@@ -19,7 +19,8 @@
 use candle_core::{DType, Tensor};
 
 use crate::model::{
-    last_row, HeadCache, LoadedModel, Observer, Retention, Sampler, Sampling, Session, TopK, Wants,
+    last_row, HeadCache, LoadedModel, Observer, Retention, RowFormat, Sampler, Sampling, Session,
+    TopK, Wants,
 };
 use crate::probe::{Probe, Workspace};
 use crate::rag::text::Stopwords;
@@ -350,7 +351,7 @@ pub fn masked(
         .split_last()
         .ok_or_else(|| Error::invalid("prompt", "empty"))?;
     let retention = vec![Retention::Full; cfg.n_layers * cfg.n_kv_heads];
-    let cache = HeadCache::new(cfg, &retention, prompt.len() + max_new + 1)?;
+    let cache = HeadCache::new(cfg, &retention, RowFormat::F32, prompt.len() + max_new + 1)?;
     let mut session = Session::with_cache(model, cache);
     let probe = match heads {
         MaskHeads::Probe { probe, .. } => Some(probe),

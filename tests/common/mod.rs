@@ -209,12 +209,20 @@ pub struct BruteEdits<'a> {
     pub visible: &'a dyn Fn(usize, usize, usize, usize) -> bool,
     /// `output(layer, head)`: a replacement head output.
     pub output: &'a dyn Fn(usize, usize) -> Option<Vec<f32>>,
+    /// `stored(query_pos, key_pos, row)`: the key or value row (one KV head's `d_head`
+    /// values) that the query reads for the key, as the cache holds it (a quantized
+    /// cache's rounding).
+    pub stored: &'a StoredRow<'a>,
 }
+
+/// `(query_pos, key_pos, row) -> row as read`: see [`BruteEdits::stored`].
+pub type StoredRow<'a> = dyn Fn(usize, usize, &[f32]) -> Vec<f32> + 'a;
 
 pub fn no_edits() -> BruteEdits<'static> {
     BruteEdits {
         visible: &|_, _, _, _| true,
         output: &|_, _| None,
+        stored: &|_, _, row| row.to_vec(),
     }
 }
 
@@ -353,9 +361,9 @@ fn brute_force(w: &Weights, tokens: &[u32], edits: &BruteEdits) -> Brute {
                         let scores: Vec<f64> = keys
                             .iter()
                             .map(|&j| {
-                                let k = &ks[j][kv * dh..(kv + 1) * dh];
+                                let k = (edits.stored)(p, j, &ks[j][kv * dh..(kv + 1) * dh]);
                                 q.iter()
-                                    .zip(k)
+                                    .zip(&k)
                                     .map(|(a, b)| *a as f64 * *b as f64)
                                     .sum::<f64>()
                                     / (dh as f64).sqrt()
@@ -369,7 +377,8 @@ fn brute_force(w: &Weights, tokens: &[u32], edits: &BruteEdits) -> Brute {
                         }
                         let mut o = vec![0f64; dh];
                         for (i, &j) in keys.iter().enumerate() {
-                            for (c, v) in vs[j][kv * dh..(kv + 1) * dh].iter().enumerate() {
+                            let v = (edits.stored)(p, j, &vs[j][kv * dh..(kv + 1) * dh]);
+                            for (c, v) in v.iter().enumerate() {
                                 o[c] += e[i] / z * *v as f64;
                             }
                         }

@@ -174,6 +174,122 @@ fn topk_bias(q: &[f32], keys: &[f32], positions: &[usize], query: usize, tk: Top
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::{Architecture, Config, RowFormat};
+    use half::f16;
+    use rand::{Rng, SeedableRng};
+
+    /// `row` rounded by hand as a store of `format` holds it: f16; or q8_0 (blocks of
+    /// 32, scale `absmax / 127` kept as f16, values `x / scale` rounded).
+    fn rounded(format: RowFormat, row: &[f32]) -> Vec<f32> {
+        match format {
+            RowFormat::F32 => row.to_vec(),
+            RowFormat::F16 => row.iter().map(|&x| f16::from_f32(x).to_f32()).collect(),
+            RowFormat::Q8_0 => row
+                .chunks(32)
+                .flat_map(|block| {
+                    let scale = block.iter().fold(0f32, |m, x| m.max(x.abs())) / 127.0;
+                    let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+                    let kept = f16::from_f32(scale).to_f32();
+                    block.iter().map(move |&x| (x * inv).round() * kept)
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn quantized_stores_are_read_as_their_rounded_rows() {
+        // 4 query heads over 2 KV heads of 40 values (a q8_0 block of 32 and one of 8);
+        // a prefill chunk of 6, one of 3, then 3 decode steps.
+        let (nh, nkv, dh, total) = (4, 2, 40, 12);
+        let cfg = Config {
+            architecture: Architecture::Llama,
+            n_layers: 1,
+            n_heads: nh,
+            n_kv_heads: nkv,
+            d_model: nh * dh,
+            d_head: dh,
+            d_ff: 8,
+            vocab_size: 8,
+            context_length: 64,
+            rms_eps: 1e-5,
+            rope_base: 10_000.0,
+            sliding_window: None,
+        };
+        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+        let mut draw =
+            |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random_range(-2.0..2.0)).collect() };
+        // [position][head][d]
+        let qs: Vec<Vec<Vec<f32>>> = (0..total)
+            .map(|_| (0..nh).map(|_| draw(dh)).collect())
+            .collect();
+        let ks: Vec<Vec<Vec<f32>>> = (0..total)
+            .map(|_| (0..nkv).map(|_| draw(dh)).collect())
+            .collect();
+        let vs: Vec<Vec<Vec<f32>>> = (0..total)
+            .map(|_| (0..nkv).map(|_| draw(dh)).collect())
+            .collect();
+        let tensor = |rows: &[Vec<Vec<f32>>], heads: usize, span: std::ops::Range<usize>| {
+            let q = span.len();
+            let data: Vec<f32> = (0..heads)
+                .flat_map(|h| span.clone().flat_map(move |p| rows[p][h].clone()))
+                .collect();
+            Tensor::from_vec(data, (heads, q, dh), &Device::Cpu).unwrap()
+        };
+        for format in [RowFormat::F16, RowFormat::Q8_0] {
+            let mut cache = HeadCache::new(&cfg, &[Retention::Full; 2], format, total).unwrap();
+            let mut worst = 0f64;
+            for span in [0..6, 6..9, 9..10, 10..11, 11..12] {
+                let (start, q) = (span.start, span.len());
+                let out = per_head(
+                    &mut cache,
+                    0,
+                    &tensor(&qs, nh, span.clone()),
+                    &tensor(&ks, nkv, span.clone()),
+                    &tensor(&vs, nkv, span.clone()),
+                    start,
+                )
+                .unwrap()
+                .to_vec3::<f32>()
+                .unwrap();
+                cache.commit(q);
+                for (t, p) in span.enumerate() {
+                    for h in 0..nh {
+                        let kv = h / (nh / nkv);
+                        // a chunk reads its own rows exact, the stored ones rounded; a
+                        // decode step reads every row as stored
+                        let read = |rows: &Vec<Vec<Vec<f32>>>, j: usize| {
+                            if q > 1 && j >= start {
+                                rows[j][kv].clone()
+                            } else {
+                                rounded(format, &rows[j][kv])
+                            }
+                        };
+                        let scores: Vec<f64> = (0..=p)
+                            .map(|j| {
+                                let k = read(&ks, j);
+                                let dot: f64 = qs[p][h]
+                                    .iter()
+                                    .zip(&k)
+                                    .map(|(a, b)| *a as f64 * *b as f64)
+                                    .sum();
+                                dot / (dh as f64).sqrt()
+                            })
+                            .collect();
+                        let m = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                        let z: f64 = scores.iter().map(|s| (s - m).exp()).sum();
+                        let values: Vec<Vec<f32>> = (0..=p).map(|j| read(&vs, j)).collect();
+                        for (c, got) in out[h][t].iter().enumerate() {
+                            let want: f64 = (0..=p)
+                                .map(|j| (scores[j] - m).exp() / z * values[j][c] as f64)
+                                .sum();
+                            worst = worst.max((want - *got as f64).abs());
+                        }
+                    }
+                }
+            }
+            assert!(worst < 1e-5, "{format:?}: {worst}");
+        }
+    }
 
     #[test]
     fn topk_keeps_the_best_keys_the_sink_and_the_window() {

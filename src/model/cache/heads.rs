@@ -9,6 +9,9 @@
 
 use serde::{Deserialize, Serialize};
 
+use std::borrow::Cow;
+
+use crate::model::cache::rows::RowFormat;
 use crate::model::cache::store::{HeadStore, KvBytes, Retention};
 use crate::model::{Config, KvCache};
 use crate::{Error, Result};
@@ -41,10 +44,16 @@ pub struct HeadCache {
 }
 
 impl HeadCache {
-    /// An empty cache; `retention` has one entry per `layer * n_kv_heads + kv_head`.
-    /// `capacity` is the expected number of positions (prompt plus new tokens): full
-    /// stores reserve it up front and grow beyond it only if needed.
-    pub fn new(cfg: &Config, retention: &[Retention], capacity: usize) -> Result<Self> {
+    /// An empty cache whose stores hold their rows as `format`; `retention` has one
+    /// entry per `layer * n_kv_heads + kv_head`. `capacity` is the expected number of
+    /// positions (prompt plus new tokens): full stores reserve it up front and grow
+    /// beyond it only if needed.
+    pub fn new(
+        cfg: &Config,
+        retention: &[Retention],
+        format: RowFormat,
+        capacity: usize,
+    ) -> Result<Self> {
         let n = cfg.n_layers * cfg.n_kv_heads;
         if retention.len() != n {
             return Err(Error::invalid(
@@ -62,7 +71,7 @@ impl HeadCache {
             if let Retention::Stream { window: 0, .. } | Retention::Tiered { window: 0, .. } = r {
                 return Err(Error::invalid("window", "0 (must be at least 1)"));
             }
-            stores.push(HeadStore::new(r, cfg.d_head, capacity));
+            stores.push(HeadStore::new(r, format, cfg.d_head, capacity));
         }
         Ok(Self {
             stores,
@@ -77,15 +86,17 @@ impl HeadCache {
         })
     }
 
-    /// A cache holding what `kv` holds (a prefill run with the plain cache), each head
-    /// then keeping only what its retention allows ("full prefill, then evict").
+    /// A cache holding what `kv` holds (a prefill run with the plain cache) as `format`,
+    /// each head then keeping only what its retention allows ("full prefill, then
+    /// evict").
     pub fn from_kv(
         cfg: &Config,
         kv: &KvCache,
         retention: &[Retention],
+        format: RowFormat,
         capacity: usize,
     ) -> Result<Self> {
-        let mut cache = Self::new(cfg, retention, capacity)?;
+        let mut cache = Self::new(cfg, retention, format, capacity)?;
         let d = cfg.d_head;
         for layer in 0..cfg.n_layers {
             let Some((keys, values, start)) = kv.layer_rows(layer)? else {
@@ -142,9 +153,10 @@ impl HeadCache {
         Ok(())
     }
 
-    /// Keys `(rows, d_head)` row-major that (`layer`, `kv_head`) holds (after RoPE);
-    /// `None` unless the store keeps every position (the stores a press may evict from).
-    pub fn full_store_keys(&self, layer: usize, kv_head: usize) -> Option<&[f32]> {
+    /// Keys `(rows, d_head)` row-major that (`layer`, `kv_head`) holds (after RoPE,
+    /// decoded to f32 from a quantized store); `None` unless the store keeps every
+    /// position (the stores a press may evict from).
+    pub fn full_store_keys(&self, layer: usize, kv_head: usize) -> Option<Cow<'_, [f32]>> {
         let store = self.stores.get(layer * self.n_kv_heads + kv_head)?;
         (store.retention == Retention::Full).then(|| store.keys())
     }

@@ -14,7 +14,7 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
-use crate::model::{ColdFormat, Retention};
+use crate::model::{Retention, RowFormat};
 use crate::policy::plan::{Dynamic, DynamicSource, Plan, Prefill};
 use crate::policy::presses::window::check_window;
 use crate::policy::presses::{default_sink, default_window, Press, Target};
@@ -41,9 +41,13 @@ pub struct DynamicHeads {
     pub sink: usize,
     #[serde(default = "default_window")]
     pub window: usize,
-    /// How the cold tier stores its rows.
-    #[serde(default)]
-    pub cold: ColdFormat,
+    /// How the cold tier stores its rows [default: f16].
+    #[serde(default = "default_cold")]
+    pub cold: RowFormat,
+}
+
+fn default_cold() -> RowFormat {
+    RowFormat::F16
 }
 
 impl Press for DynamicHeads {

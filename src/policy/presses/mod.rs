@@ -144,6 +144,8 @@ registry! {
     observed_attention => ObservedAttention,
     /// Another press's scores with the budget shared across a layer's heads (AdaKV).
     adakv => Adakv,
+    /// Every store's rows in f16 or 8-bit blocks (llama.cpp's q8_0).
+    quantize => Quantize,
     /// Several policies at once.
     compose => Compose,
 }

@@ -1,0 +1,284 @@
+//! Rows of keys or values in one encoding ([`RowFormat`]): what a per-head store holds
+//! in memory, for its hot rows and for a tiered head's cold tier. f32 rows are read in
+//! place; f16 and 8-bit rows are decoded to f32 when a query reads them.
+//!
+//! The 8-bit encoding is llama.cpp's `q8_0` (its `-ctk q8_0 -ctv q8_0` KV cache): blocks
+//! of [`Q8_BLOCK`] values, each with one f16 scale `d = absmax / 127` and the values
+//! rounded to `x / d`, 34 bytes per 32 values. A row narrower than a block, or not a
+//! multiple of it, ends in a shorter block with its own scale.
+
+use std::borrow::Cow;
+
+use half::f16;
+use serde::{Deserialize, Serialize};
+
+/// Values per scale in the 8-bit encoding.
+pub const Q8_BLOCK: usize = 32;
+
+/// How a store encodes its rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RowFormat {
+    /// 4 bytes per value, exact.
+    #[default]
+    F32,
+    /// IEEE half precision: 2 bytes per value.
+    F16,
+    /// 8-bit blocks with an f16 scale (llama.cpp's `q8_0`): 1.0625 bytes per value.
+    #[serde(alias = "int8")]
+    Q8_0,
+}
+
+impl RowFormat {
+    /// Its name in TOML and reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            RowFormat::F32 => "f32",
+            RowFormat::F16 => "f16",
+            RowFormat::Q8_0 => "q8_0",
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Data {
+    F32(Vec<f32>),
+    F16(Vec<f16>),
+    /// `q`: the values, row-major; `d`: one scale per block, row-major.
+    Q8 {
+        q: Vec<i8>,
+        d: Vec<f16>,
+    },
+}
+
+/// Rows of `d` values in one [`RowFormat`].
+#[derive(Debug, Clone)]
+pub(crate) struct Rows {
+    d: usize,
+    data: Data,
+}
+
+impl Rows {
+    /// No rows yet, room for `rows`.
+    pub(crate) fn new(format: RowFormat, d: usize, rows: usize) -> Self {
+        let data = match format {
+            RowFormat::F32 => Data::F32(Vec::with_capacity(rows * d)),
+            RowFormat::F16 => Data::F16(Vec::with_capacity(rows * d)),
+            RowFormat::Q8_0 => Data::Q8 {
+                q: Vec::with_capacity(rows * d),
+                d: Vec::with_capacity(rows * d.div_ceil(Q8_BLOCK)),
+            },
+        };
+        Self { d, data }
+    }
+
+    fn format(&self) -> RowFormat {
+        match self.data {
+            Data::F32(_) => RowFormat::F32,
+            Data::F16(_) => RowFormat::F16,
+            Data::Q8 { .. } => RowFormat::Q8_0,
+        }
+    }
+
+    /// Rows held.
+    pub(crate) fn len(&self) -> usize {
+        match &self.data {
+            Data::F32(v) => v.len() / self.d,
+            Data::F16(v) => v.len() / self.d,
+            Data::Q8 { q, .. } => q.len() / self.d,
+        }
+    }
+
+    /// Write `row` (`d` values) as row `slot`; a slot past the end first grows the rows
+    /// to it (the rows between are zeros until written).
+    pub(crate) fn write(&mut self, slot: usize, row: &[f32]) {
+        debug_assert_eq!(row.len(), self.d);
+        let d = self.d;
+        let blocks = d.div_ceil(Q8_BLOCK);
+        if slot >= self.len() {
+            let rows = slot + 1;
+            match &mut self.data {
+                Data::F32(v) => v.resize(rows * d, 0.0),
+                Data::F16(v) => v.resize(rows * d, f16::ZERO),
+                Data::Q8 { q, d: scales } => {
+                    q.resize(rows * d, 0);
+                    scales.resize(rows * blocks, f16::ZERO);
+                }
+            }
+        }
+        let at = slot * d..(slot + 1) * d;
+        match &mut self.data {
+            Data::F32(v) => v[at].copy_from_slice(row),
+            Data::F16(v) => v[at]
+                .iter_mut()
+                .zip(row)
+                .for_each(|(o, &x)| *o = f16::from_f32(x)),
+            Data::Q8 { q, d: scales } => {
+                let blocks_out = q[at].chunks_mut(Q8_BLOCK).zip(row.chunks(Q8_BLOCK));
+                for (b, (out, block)) in blocks_out.enumerate() {
+                    let absmax = block.iter().fold(0f32, |m, x| m.max(x.abs()));
+                    let scale = absmax / 127.0;
+                    let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+                    scales[slot * blocks + b] = f16::from_f32(scale);
+                    out.iter_mut()
+                        .zip(block)
+                        .for_each(|(o, &x)| *o = (x * inv).round() as i8);
+                }
+            }
+        }
+    }
+
+    /// Append a row.
+    pub(crate) fn push(&mut self, row: &[f32]) {
+        self.write(self.len(), row);
+    }
+
+    /// Append rows `range` as f32 to `out`.
+    pub(crate) fn read(&self, range: std::ops::Range<usize>, out: &mut Vec<f32>) {
+        let d = self.d;
+        match &self.data {
+            Data::F32(v) => out.extend_from_slice(&v[range.start * d..range.end * d]),
+            Data::F16(v) => {
+                out.extend(v[range.start * d..range.end * d].iter().map(|x| x.to_f32()))
+            }
+            Data::Q8 { q, d: scales } => {
+                let blocks = d.div_ceil(Q8_BLOCK);
+                for r in range {
+                    for (b, block) in q[r * d..(r + 1) * d].chunks(Q8_BLOCK).enumerate() {
+                        let s = scales[r * blocks + b].to_f32();
+                        out.extend(block.iter().map(|&x| x as f32 * s));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Every row `(rows, d)` as f32: borrowed when stored as f32, else decoded.
+    pub(crate) fn as_f32(&self) -> Cow<'_, [f32]> {
+        match &self.data {
+            Data::F32(v) => Cow::Borrowed(v),
+            _ => {
+                let mut out = Vec::with_capacity(self.len() * self.d);
+                self.read(0..self.len(), &mut out);
+                Cow::Owned(out)
+            }
+        }
+    }
+
+    /// Rows `rows` (in that order), in the same format, with room for `room` more.
+    pub(crate) fn select(&self, rows: &[usize], room: usize) -> Self {
+        let mut out = Self::new(self.format(), self.d, rows.len() + room);
+        let d = self.d;
+        let blocks = d.div_ceil(Q8_BLOCK);
+        for &r in rows {
+            match (&self.data, &mut out.data) {
+                (Data::F32(a), Data::F32(b)) => b.extend_from_slice(&a[r * d..(r + 1) * d]),
+                (Data::F16(a), Data::F16(b)) => b.extend_from_slice(&a[r * d..(r + 1) * d]),
+                (Data::Q8 { q, d: s }, Data::Q8 { q: oq, d: os }) => {
+                    oq.extend_from_slice(&q[r * d..(r + 1) * d]);
+                    os.extend_from_slice(&s[r * blocks..(r + 1) * blocks]);
+                }
+                _ => unreachable!("a selection keeps its format"),
+            }
+        }
+        out
+    }
+
+    /// Bytes allocated.
+    pub(crate) fn bytes(&self) -> usize {
+        match &self.data {
+            Data::F32(v) => v.capacity() * 4,
+            Data::F16(v) => v.capacity() * 2,
+            Data::Q8 { q, d } => q.capacity() + d.capacity() * 2,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A row of `n` values spread over about +-3.
+    fn row(n: usize, seed: f32) -> Vec<f32> {
+        (0..n)
+            .map(|i| ((i as f32 + seed) * 0.37).sin() * 3.0)
+            .collect()
+    }
+
+    #[test]
+    fn each_format_round_trips_within_its_precision_and_counts_its_bytes() {
+        // (format, worst error for values within +-3, bytes of 2 rows of 64)
+        let cases = [
+            (RowFormat::F32, 0.0, 2 * 64 * 4),
+            (RowFormat::F16, 2e-3, 2 * 64 * 2),
+            // half a step of absmax / 127, plus the f16 scale's rounding
+            (
+                RowFormat::Q8_0,
+                3.0 / 254.0 + 3.0 * 1e-3,
+                2 * 64 + 2 * 2 * 2,
+            ),
+        ];
+        for (format, tol, bytes) in cases {
+            let mut rows = Rows::new(format, 64, 2);
+            rows.push(&row(64, 0.0));
+            rows.push(&row(64, 5.0));
+            let mut out = Vec::new();
+            rows.read(1..2, &mut out);
+            let err = row(64, 5.0)
+                .iter()
+                .zip(&out)
+                .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            assert!(err <= tol, "{format:?}: {err}");
+            assert_eq!(rows.bytes(), bytes, "{format:?}");
+            assert_eq!(rows.as_f32().len(), 128);
+        }
+    }
+
+    #[test]
+    fn q8_0_rounds_each_block_to_its_own_scale_like_llama_cpp() {
+        // a block of 32 whose absmax is 127 has scale 1: values round to integers
+        let mut block: Vec<f32> = (0..32).map(|i| i as f32 * 3.9 - 60.2).collect();
+        block[7] = -127.0;
+        // a second block of 8 (a 40-wide row) with a scale of its own
+        let tail = [0.5f32, -0.25, 0.0, 0.125, 0.0, 0.0, 0.0, 0.0];
+        let mut r = Rows::new(RowFormat::Q8_0, 40, 1);
+        r.push(&[block.clone(), tail.to_vec()].concat());
+        let mut out = Vec::new();
+        r.read(0..1, &mut out);
+        for (i, (&x, &y)) in block.iter().zip(&out).enumerate() {
+            assert_eq!(y, x.round(), "value {i}");
+        }
+        // tail: scale 0.5 / 127 (rounded to f16), values x / scale rounded
+        let s = f16::from_f32(0.5 / 127.0).to_f32();
+        for (&x, &y) in tail.iter().zip(&out[32..]) {
+            assert_eq!(y, (x * (127.0 / 0.5)).round() * s);
+        }
+        // a zero block stays zero
+        let mut z = Rows::new(RowFormat::Q8_0, 4, 1);
+        z.push(&[0.0; 4]);
+        assert_eq!(z.as_f32().as_ref(), &[0.0; 4]);
+    }
+
+    #[test]
+    fn rows_are_written_in_any_slot_and_selected_in_their_format() {
+        for format in [RowFormat::F32, RowFormat::F16, RowFormat::Q8_0] {
+            let mut r = Rows::new(format, 2, 4);
+            // a ring filled out of order: slot 2 before slots 0 and 1, slot 1 twice (rows
+            // whose absmax is 127 have a q8_0 scale of 1: every format holds them exactly)
+            r.write(2, &[2.0, -127.0]);
+            r.write(0, &[0.0, 0.0]);
+            r.write(1, &[1.0, -1.0]);
+            r.write(1, &[127.0, -3.0]);
+            assert_eq!(r.len(), 3);
+            let all = [0.0, 0.0, 127.0, -3.0, 2.0, -127.0];
+            assert_eq!(r.as_f32().as_ref(), &all, "{format:?}");
+            let s = r.select(&[2, 0], 3);
+            assert_eq!(s.format(), format);
+            assert_eq!(s.as_f32().as_ref(), &[2.0, -127.0, 0.0, 0.0], "{format:?}");
+            assert_eq!(s.bytes(), Rows::new(format, 2, 5).bytes());
+        }
+        // `int8`, the cold tier's earlier name, still reads as q8_0
+        let f: RowFormat = serde_json::from_str("\"int8\"").unwrap();
+        assert_eq!(f, RowFormat::Q8_0);
+    }
+}
