@@ -2,7 +2,7 @@
 //! runtime and never imported by it. Head scoring and traces ([`heads`]), the evaluation
 //! tasks and datasets ([`tasks`], [`eval`]), probe training ([`probe_train`]), the RAG
 //! and serving experiments ([`rag_eval`], [`serve_bench`]), the speed benchmark
-//! ([`bench`]) and the plots their reports draw ([`plot`]).
+//! ([`bench`]) and the plots and statistics their reports use ([`plot`], [`stats`]).
 
 pub mod bench;
 pub mod eval;
@@ -11,4 +11,5 @@ pub(crate) mod plot;
 pub mod probe_train;
 pub mod rag_eval;
 pub mod serve_bench;
+pub(crate) mod stats;
 pub mod tasks;

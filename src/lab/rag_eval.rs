@@ -31,6 +31,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::lab::eval::run::{append_jsonl, open_append, read_jsonl};
 use crate::lab::plot::{interval_panels, Panel};
+use crate::lab::stats::mean_se;
 use crate::metrics::Metric;
 use crate::model::{LoadedModel, ModelId};
 use crate::policy::ranking::Ranking;
@@ -439,14 +440,6 @@ fn paired_differences(spec: &RagSpec, records: &[RagRecord]) -> String {
         }
     }
     md
-}
-
-/// Mean and standard error of `xs`.
-fn mean_se(xs: &[f64]) -> (f64, f64) {
-    let n = xs.len() as f64;
-    let mean = xs.iter().sum::<f64>() / n;
-    let var = xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0).max(1.0);
-    (mean, (var / n).sqrt())
 }
 
 /// Write `summary.json` and `README.md` of a run folder from its records, in the

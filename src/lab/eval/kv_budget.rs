@@ -48,6 +48,7 @@ use plotters::style::{Color, Palette, Palette99};
 use serde::{Deserialize, Serialize};
 
 use crate::lab::eval::datasets::ruler::RulerTask;
+use crate::lab::eval::leaderboard::{self, Scored};
 use crate::lab::eval::run::{
     append_jsonl, open_append, read_json, read_jsonl, to_json, AnswerText, Sources,
 };
@@ -445,6 +446,16 @@ fn oracle_labels(
 type PlotPoint = (String, f64, f64);
 
 /// Mean of `f` over records.
+/// The length a record is grouped by: its context, or 0 for the datasets whose
+/// examples keep their natural lengths.
+fn context_of(r: &BudgetRecord) -> usize {
+    if r.task == "hotpotqa" || r.task == "musique" {
+        0
+    } else {
+        r.context_tokens
+    }
+}
+
 fn mean(records: &[&BudgetRecord], f: impl Fn(&BudgetRecord) -> f64) -> f64 {
     records.iter().map(|r| f(r)).sum::<f64>() / records.len().max(1) as f64
 }
@@ -487,13 +498,8 @@ pub fn write_report(dir: &Path) -> Result<Vec<ResultRecord>> {
     let mut groups: BTreeMap<(String, usize), BTreeMap<String, Vec<&BudgetRecord>>> =
         BTreeMap::new();
     for r in &records {
-        let context = if r.task == "hotpotqa" || r.task == "musique" {
-            0
-        } else {
-            r.context_tokens
-        };
         groups
-            .entry((r.task.clone(), context))
+            .entry((r.task.clone(), context_of(r)))
             .or_default()
             .entry(r.policy.clone())
             .or_default()
@@ -538,6 +544,79 @@ pub fn write_report(dir: &Path) -> Result<Vec<ResultRecord>> {
             made: info.made.clone(),
         });
     };
+    // The leaderboard view: every task's score at each length, against full.
+    let scored: Vec<Scored> = records
+        .iter()
+        .filter(|r| r.task != "speed")
+        .filter_map(|r| {
+            let metric = metrics_for(&r.task).first()?.name();
+            Some(Scored {
+                task: r.task.clone(),
+                example: r.example.clone(),
+                context: context_of(r),
+                policy: r.policy.clone(),
+                score: r.scores.get(metric).copied().unwrap_or(0.0),
+                kv_fraction: fraction(r),
+                kv_hot: r.kv_hot,
+                prefill_peak: r.prefill_peak,
+            })
+        })
+        .collect();
+    let names: Vec<(String, String)> = order
+        .iter()
+        .map(|p| (p.name.clone(), p.series.clone()))
+        .collect();
+    let board = leaderboard::rows(&scored, &names, &full_name);
+    let mut contexts: Vec<usize> = board.iter().map(|r| r.context).collect();
+    contexts.dedup();
+    for ctx in contexts {
+        let rows: Vec<leaderboard::Row> =
+            board.iter().filter(|r| r.context == ctx).cloned().collect();
+        let at = if ctx > 0 {
+            format!("{ctx} tokens")
+        } else {
+            "natural lengths".into()
+        };
+        readme.push_str(&format!(
+            "## Every task, {at}\n\nEach policy's mean score over every task's examples (the \
+             task's first metric) on the examples `full` also answered, its difference from \
+             `full` on the same examples with a 95% interval (1.96 standard errors of the \
+             paired differences), and its compression ratio (1 - mean kv_fraction).\n\n{}\n",
+            leaderboard::table(&rows)
+        ));
+        let name = format!("leaderboard-{ctx}");
+        let svg = leaderboard::plot(&rows, &format!("score against compression ratio, {at}"))?;
+        write_atomic(&dir.join(format!("{name}.svg")), svg.as_bytes())?;
+        readme.push_str(&format!("![{name}]({name}.svg)\n\n"));
+        for r in &rows {
+            let p = order
+                .iter()
+                .find(|p| p.name == r.policy)
+                .ok_or(Error::Internal(
+                    "leaderboard rows follow the spec's policies",
+                ))?;
+            let ctx_opt = (ctx > 0).then_some(ctx);
+            push(&mut summary, "all", ctx_opt, p, "score", r.score, r.n);
+            push(
+                &mut summary,
+                "all",
+                ctx_opt,
+                p,
+                "score_minus_full",
+                r.diff.0,
+                r.n,
+            );
+            push(
+                &mut summary,
+                "all",
+                ctx_opt,
+                p,
+                "compression_ratio",
+                r.ratio,
+                r.n,
+            );
+        }
+    }
     let mut plots: BTreeMap<String, (String, Vec<PlotPoint>)> = BTreeMap::new();
     let mut speeds: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
     // The full policy's decode speed per (task, context): the baseline of the ratios.
