@@ -9,12 +9,12 @@ use std::path::Path;
 
 use candle_core::Tensor;
 use common::{
-    brute_force_attention, brute_force_keys, brute_force_logits, tiny_config, tiny_gemma_config,
-    BruteEdits, Weights,
+    brute_force_attention, brute_force_keys, brute_force_logits, brute_force_queries_values,
+    tiny_config, tiny_gemma_config, BruteEdits, Weights,
 };
 use headwise::model::{
     generate as plain_generate, Config, GenerateOptions, Interventions, Model, ModelId, NoObserver,
-    Numerics, DEFAULT_CHUNK,
+    Numerics, RopeStyle, DEFAULT_CHUNK,
 };
 use headwise::policy::evict::Observe;
 use headwise::policy::ranking::HeadMatrix;
@@ -221,6 +221,10 @@ struct Seen {
     n: usize,
     /// `[layer][position]`, `n_kv_heads * d_head` values.
     keys: Vec<Vec<Vec<f32>>>,
+    /// `[layer][position]`: queries before RoPE (`n_heads * d_head`) and values
+    /// (`n_kv_heads * d_head`).
+    queries: Vec<Vec<Vec<f32>>>,
+    values: Vec<Vec<Vec<f32>>>,
     /// `[layer][head][query][key]`.
     attention: Vec<Vec<Vec<Vec<f64>>>>,
 }
@@ -285,10 +289,13 @@ fn check_press_in_chunks(
     })
     .unwrap();
     let n = context.unwrap_or(PROMPT.len() - 1);
+    let (queries, values) = brute_force_queries_values(&w, &PROMPT[..n]);
     let seen = Seen {
         cfg: cfg.clone(),
         n,
         keys: brute_force_keys(&w, &PROMPT[..n]),
+        queries,
+        values,
         attention: brute_force_attention(&w, &PROMPT[..n]),
     };
     let kept: Vec<Option<Vec<Vec<usize>>>> = (0..cfg.n_layers)
@@ -399,6 +406,106 @@ fn snap_scores(s: &Seen, l: usize, kv: usize, w: usize, k: usize) -> Vec<f64> {
 const SNAPKV: &str = "type = \"snapkv\"\ncompression_ratio = 0.5\nwindow_size = 4\nkernel_size = 3";
 const TOVA: &str = "type = \"tova\"\ncompression_ratio = 0.5";
 const H2O: &str = "type = \"observed_attention\"\ncompression_ratio = 0.5";
+const EXPECTED: &str =
+    "type = \"expected_attention\"\ncompression_ratio = 0.5\nn_future_positions = 16\nn_sink = 2";
+
+/// expected_attention, 2 sink positions, 16 future ones: each query head's pre-RoPE
+/// queries past the sink as a Gaussian, rotated by the mean of the RoPE rotations of
+/// positions n..n + 16 (each built column by column by rotating a basis vector), the
+/// expected exp(q.k / sqrt(d)) softmaxed over the keys past the sink, averaged over
+/// the group, times |v|; the sink kept.
+fn expected_half(s: &Seen, l: usize) -> Vec<Vec<usize>> {
+    let (d, sink, future) = (s.cfg.d_head, 2, 16);
+    let spec = s.cfg.layer(l);
+    let halves = spec.rope_style == RopeStyle::Halves;
+    let mut r = vec![vec![0f64; d]; d];
+    for p in s.n..s.n + future {
+        for (j, _) in r.clone().iter().enumerate() {
+            let mut e = vec![0f32; d];
+            e[j] = 1.0;
+            common::rope(&mut e, p, spec.rope_base, halves);
+            for (i, row) in r.iter_mut().enumerate() {
+                row[j] += e[i] as f64 / future as f64;
+            }
+        }
+    }
+    (0..s.cfg.n_kv_heads)
+        .map(|kv| {
+            let mut scores = vec![0f64; s.n];
+            for h in s.group(kv) {
+                let qs: Vec<Vec<f64>> = (sink..s.n)
+                    .map(|p| {
+                        s.queries[l][p][h * d..(h + 1) * d]
+                            .iter()
+                            .map(|&x| x as f64)
+                            .collect()
+                    })
+                    .collect();
+                let m = qs.len() as f64;
+                let mu: Vec<f64> = (0..d)
+                    .map(|i| qs.iter().map(|q| q[i]).sum::<f64>() / m)
+                    .collect();
+                let cov: Vec<Vec<f64>> = (0..d)
+                    .map(|i| {
+                        (0..d)
+                            .map(|j| {
+                                qs.iter()
+                                    .map(|q| (q[i] - mu[i]) * (q[j] - mu[j]))
+                                    .sum::<f64>()
+                                    / m
+                            })
+                            .collect()
+                    })
+                    .collect();
+                let rmu: Vec<f64> = (0..d)
+                    .map(|i| (0..d).map(|j| r[i][j] * mu[j]).sum())
+                    .collect();
+                // R cov R^T
+                let rc: Vec<Vec<f64>> = (0..d)
+                    .map(|i| {
+                        (0..d)
+                            .map(|j| (0..d).map(|k| r[i][k] * cov[k][j]).sum())
+                            .collect()
+                    })
+                    .collect();
+                let rcr: Vec<Vec<f64>> = (0..d)
+                    .map(|i| {
+                        (0..d)
+                            .map(|j| (0..d).map(|k| rc[i][k] * r[j][k]).sum())
+                            .collect()
+                    })
+                    .collect();
+                let logits: Vec<f64> = (sink..s.n)
+                    .map(|j| {
+                        let k: Vec<f64> = s.keys[l][j][kv * d..(kv + 1) * d]
+                            .iter()
+                            .map(|&x| x as f64)
+                            .collect();
+                        let lin: f64 = (0..d).map(|i| rmu[i] * k[i]).sum();
+                        let quad: f64 = (0..d)
+                            .map(|i| (0..d).map(|j| k[i] * rcr[i][j] * k[j]).sum::<f64>())
+                            .sum();
+                        lin / (d as f64).sqrt() + quad / (2.0 * d as f64)
+                    })
+                    .collect();
+                let max = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let z: f64 = logits.iter().map(|x| (x - max).exp()).sum();
+                for (j, x) in logits.iter().enumerate() {
+                    scores[sink + j] += (x - max).exp() / z / s.group(kv).len() as f64;
+                }
+            }
+            for (j, score) in scores.iter_mut().enumerate() {
+                if j < sink {
+                    *score = f64::INFINITY;
+                } else {
+                    let v = &s.values[l][j][kv * d..(kv + 1) * d];
+                    *score *= v.iter().map(|&x| x as f64 * x as f64).sum::<f64>().sqrt();
+                }
+            }
+            top(&scores, s.n / 2)
+        })
+        .collect()
+}
 
 /// snapkv, window 4 and kernel 3: each KV head keeps its floor(n / 2) best.
 fn snap_half(s: &Seen, l: usize) -> Vec<Vec<usize>> {
@@ -453,6 +560,7 @@ fn attention_presses_keep_what_the_brute_force_attention_says() {
         check_press(cfg.clone(), context, SNAPKV, &snap_half);
         check_press(cfg.clone(), context, TOVA, &tova_half);
         check_press(cfg.clone(), context, H2O, &h2o_half);
+        check_press(cfg.clone(), context, EXPECTED, &expected_half);
     }
     // pyramidkv on a context of 12, ratio 0.5, window 4, beta 20: the mean budget is 6,
     // min 0.3 and max 11.7, the max capped at 12 - 4 = 8 and the min raised to 4; the

@@ -8,8 +8,10 @@
 //!
 //! A scorer that reads attention says which queries it needs ([`Observe`]); the prefill
 //! then runs those positions with the model's own attention probabilities observed and
-//! summed per (layer, query head, key) ([`AttentionSums`]), so the scores see exactly
-//! the softmax the model computed (its scaling, its masks), not a recomputation.
+//! summed per (layer, query head, key) ([`Observed`]), so the scores see exactly the
+//! softmax the model computed (its scaling, its masks), not a recomputation. A scorer
+//! that reads the queries' statistics instead (expected attention) gets each query
+//! head's mean and covariance over the pressed positions ([`QueryMoments`]).
 
 use std::fmt;
 use std::ops::Range;
@@ -17,7 +19,7 @@ use std::sync::Arc;
 
 use candle_core::Tensor;
 
-use crate::model::{Config, HeadCache, Observer, Wants};
+use crate::model::{Config, HeadCache, LayerSpec, Observer, Wants};
 use crate::{Error, Result};
 
 /// Which queries' attention a scorer reads.
@@ -29,14 +31,19 @@ pub enum Observe {
     Last(usize),
     /// Every position of what is pressed (H2O's accumulated attention).
     All,
+    /// No attention: the mean and covariance of each query head's queries before RoPE
+    /// over the pressed positions but the first `skip` (expected attention).
+    QueryMoments { skip: usize },
 }
 
-/// What a scorer sees of one KV head: its keys and, when it observes them, the
-/// attention its layer's query heads gave each row.
+/// What a scorer sees of one KV head: its keys and values and, when it observes them,
+/// the attention its layer's query heads gave each row or their queries' moments.
 #[derive(Debug, Clone)]
 pub struct Rows<'a> {
     /// `(n, d_head)` row-major, after RoPE; row `j` is position `j`.
     pub keys: &'a [f32],
+    /// `(n, d_head)` row-major.
+    pub values: &'a [f32],
     pub d_head: usize,
     /// The KV head's query heads (indices into `attention`'s first axis).
     pub group: Range<usize>,
@@ -45,6 +52,8 @@ pub struct Rows<'a> {
     pub attention: Option<&'a [f32]>,
     /// Positions of the observed queries (the last of them is `n - 1`).
     pub queries: Range<usize>,
+    /// The layer's query moments, when the scorer observes [`Observe::QueryMoments`].
+    pub moments: Option<&'a QueryMoments>,
 }
 
 impl Rows<'_> {
@@ -120,12 +129,12 @@ impl Eviction {
 
     /// Evict from every store of `cache` that keeps every position (the KV heads of
     /// layers without a window of their own), but the exempt ones. `observed` holds the
-    /// attention the scorer asked for ([`TokenScorer::observes`]).
+    /// attention or moments the scorer asked for ([`TokenScorer::observes`]).
     pub fn press(
         &self,
         cache: &mut HeadCache,
         cfg: &Config,
-        observed: Option<&AttentionSums>,
+        observed: Option<&Observed>,
     ) -> Result<()> {
         let pressed: Vec<usize> = (0..cfg.n_layers)
             .filter(|&l| cfg.layer(l).window.is_none())
@@ -146,23 +155,35 @@ impl Eviction {
                 .collect();
             let mut scores = Vec::with_capacity(heads.len());
             for &kv_head in &heads {
-                let keys = cache
-                    .full_store_keys(layer, kv_head)
+                let (keys, values) = cache
+                    .full_store_rows(layer, kv_head)
                     .ok_or(Error::Internal("a pressed layer keeps every position"))?;
                 let n = keys.len() / cfg.d_head;
-                let (attention, queries) = match (self.scorer.observes().from(n), observed) {
+                let observe = self.scorer.observes();
+                let (attention, queries) = match (observe.from(n), observed) {
                     (None, _) => (None, n..n),
                     (Some(from), Some(o)) => (Some(o.get(from, layer, n)?), from..n),
                     (Some(_), None) => {
                         return Err(Error::Internal("the prefill observed no attention"))
                     }
                 };
+                let moments = match (observe, observed) {
+                    (Observe::QueryMoments { skip }, Some(o)) => {
+                        Some(o.moments_of(skip, layer, n)?)
+                    }
+                    (Observe::QueryMoments { .. }, None) => {
+                        return Err(Error::Internal("the prefill observed no queries"))
+                    }
+                    _ => None,
+                };
                 let rows = Rows {
                     keys: &keys,
+                    values: &values,
                     d_head: cfg.d_head,
                     group: kv_head * group..(kv_head + 1) * group,
                     attention,
                     queries,
+                    moments,
                 };
                 let s = self.scorer.score(&rows)?;
                 if s.len() != n {
@@ -269,13 +290,14 @@ pub(crate) fn best_rows(scores: &[f32], keep: usize) -> Vec<usize> {
     rows
 }
 
-/// The attention a prefill's observed queries gave every key of each layer without a
-/// window of its own, summed over the queries, for one or more sets of observed queries
-/// (each from some position to the end, so that one prefill serves SnapKV's window,
-/// TOVA's last query and H2O's whole prefill at once): an [`Observer`] of the observed
-/// part of the prefill.
+/// What a prefill observed for the presses, for each layer without a window of its own:
+/// the attention its queries gave every key, summed over the queries, for one or more
+/// sets of observed queries (each from some position to the end, so that one prefill
+/// serves SnapKV's window, TOVA's last query and H2O's whole prefill at once), and the
+/// moments of its queries ([`QueryMoments`]). An [`Observer`] of the observed part of
+/// the prefill.
 #[derive(Debug, Clone)]
-pub struct AttentionSums {
+pub struct Observed {
     /// Positions the sums cover (what is pressed).
     n: usize,
     n_heads: usize,
@@ -284,17 +306,102 @@ pub struct AttentionSums {
     /// Per first observed query position: per layer `(n_heads, n)`, empty for windowed
     /// layers.
     sums: Vec<(usize, Vec<Vec<f32>>)>,
-    /// A probability tensor that could not be read (reported by [`Self::get`]).
+    /// Per number of first positions skipped: per layer, `None` for windowed layers.
+    moments: Vec<(usize, Vec<Option<QueryMoments>>)>,
+    /// A tensor that could not be read (reported by [`Self::get`]).
     unreadable: bool,
 }
 
-impl AttentionSums {
-    /// Sums over keys `0..n` for queries `from..n`, for each `from` of `observes` (none
-    /// for [`Observe::Keys`]).
+/// The first and second moments of one layer's queries before RoPE, per query head,
+/// over the observed positions; with the layer's RoPE, so that a scorer can rotate them
+/// to the positions still to come.
+#[derive(Debug, Clone)]
+pub struct QueryMoments {
+    pub d_head: usize,
+    /// The layer's RoPE base and pairing.
+    pub layer: LayerSpec,
+    /// Positions summed.
+    pub count: usize,
+    /// `(n_heads, d_head)`: sums of the queries.
+    sum: Vec<f64>,
+    /// `(n_heads, d_head, d_head)`: sums of their outer products.
+    outer: Vec<f64>,
+}
+
+impl QueryMoments {
+    fn new(cfg: &Config, layer: LayerSpec) -> Self {
+        let d = cfg.d_head;
+        Self {
+            d_head: d,
+            layer,
+            count: 0,
+            sum: vec![0.0; cfg.n_heads * d],
+            outer: vec![0.0; cfg.n_heads * d * d],
+        }
+    }
+
+    /// Query head `head`'s mean `(d_head,)`.
+    pub fn mean(&self, head: usize) -> Vec<f64> {
+        let d = self.d_head;
+        let n = self.count.max(1) as f64;
+        self.sum[head * d..(head + 1) * d]
+            .iter()
+            .map(|s| s / n)
+            .collect()
+    }
+
+    /// Query head `head`'s covariance `(d_head, d_head)` row-major (dividing by the
+    /// count, as kvpress does).
+    pub fn covariance(&self, head: usize) -> Vec<f64> {
+        let d = self.d_head;
+        let n = self.count.max(1) as f64;
+        let mean = self.mean(head);
+        let outer = &self.outer[head * d * d..(head + 1) * d * d];
+        (0..d * d)
+            .map(|ij| outer[ij] / n - mean[ij / d] * mean[ij % d])
+            .collect()
+    }
+
+    /// Add `queries` `(q, n_heads, d_head)`, rows `skip..` of them.
+    fn add(&mut self, queries: &Tensor, skip: usize) -> candle_core::Result<()> {
+        let q = queries.dim(0)?;
+        if skip >= q {
+            return Ok(());
+        }
+        let d = self.d_head;
+        // (rows, n_heads, d) -> (n_heads, rows, d)
+        let x = queries
+            .narrow(0, skip, q - skip)?
+            .transpose(0, 1)?
+            .contiguous()?
+            .to_dtype(candle_core::DType::F64)?;
+        let sums: Vec<f64> = x.sum(1)?.flatten_all()?.to_vec1()?;
+        let outer: Vec<f64> = x.transpose(1, 2)?.matmul(&x)?.flatten_all()?.to_vec1()?;
+        debug_assert_eq!(outer.len(), self.outer.len());
+        debug_assert_eq!(sums.len() % d, 0);
+        self.sum.iter_mut().zip(sums).for_each(|(a, b)| *a += b);
+        self.outer.iter_mut().zip(outer).for_each(|(a, b)| *a += b);
+        self.count += q - skip;
+        Ok(())
+    }
+}
+
+impl Observed {
+    /// Sums over keys `0..n` for queries `from..n`, for each `from` of `observes`, and
+    /// query moments for each [`Observe::QueryMoments`] (nothing for [`Observe::Keys`]).
     pub fn new(cfg: &Config, n: usize, observes: &[Observe]) -> Self {
         let mut froms: Vec<usize> = observes.iter().filter_map(|o| o.from(n)).collect();
         froms.sort_unstable();
         froms.dedup();
+        let mut skips: Vec<usize> = observes
+            .iter()
+            .filter_map(|o| match o {
+                Observe::QueryMoments { skip } => Some(*skip),
+                _ => None,
+            })
+            .collect();
+        skips.sort_unstable();
+        skips.dedup();
         let layers = || {
             (0..cfg.n_layers)
                 .map(|l| match cfg.layer(l).window {
@@ -303,25 +410,55 @@ impl AttentionSums {
                 })
                 .collect()
         };
+        let moments = || {
+            (0..cfg.n_layers)
+                .map(|l| {
+                    let spec = cfg.layer(l);
+                    spec.window.is_none().then(|| QueryMoments::new(cfg, spec))
+                })
+                .collect()
+        };
         Self {
             n,
             n_heads: cfg.n_heads,
             start: 0,
             sums: froms.into_iter().map(|f| (f, layers())).collect(),
+            moments: skips.into_iter().map(|s| (s, moments())).collect(),
             unreadable: false,
         }
     }
 
-    /// The first position any sum observes (`n` when none does).
+    /// The first position any sum or moment observes (`n` when none does).
     pub fn first(&self) -> usize {
-        self.sums.first().map_or(self.n, |s| s.0)
+        match self.moments.is_empty() {
+            true => self.sums.first().map_or(self.n, |s| s.0),
+            false => 0,
+        }
     }
 
-    /// Whether the sums for `observe` over `n` positions are here.
+    /// Whether the sums or moments for `observe` over `n` positions are here.
     pub fn covers(&self, observe: Observe, n: usize) -> bool {
-        match observe.from(n) {
-            None => true,
-            Some(from) => n == self.n && self.sums.iter().any(|s| s.0 == from),
+        match (observe, observe.from(n)) {
+            (Observe::QueryMoments { skip }, _) => {
+                n == self.n && self.moments.iter().any(|m| m.0 == skip)
+            }
+            (_, None) => true,
+            (_, Some(from)) => n == self.n && self.sums.iter().any(|s| s.0 == from),
+        }
+    }
+
+    /// Layer `layer`'s query moments past the first `skip` positions, for a store of
+    /// `n` rows.
+    fn moments_of(&self, skip: usize, layer: usize, n: usize) -> Result<&QueryMoments> {
+        if self.unreadable {
+            return Err(Error::Internal("an observed query tensor was unreadable"));
+        }
+        let found = self.moments.iter().find(|m| m.0 == skip);
+        match found.and_then(|m| m.1.get(layer)) {
+            Some(Some(moments)) if n == self.n => Ok(moments),
+            _ => Err(Error::Internal(
+                "the observed queries do not cover the pressed rows",
+            )),
         }
     }
 
@@ -366,20 +503,22 @@ impl AttentionSums {
 }
 
 impl Observe {
-    /// The first observed query position when `n` positions are pressed.
+    /// The first query position whose attention is observed when `n` positions are
+    /// pressed (`None`: no attention).
     fn from(self, n: usize) -> Option<usize> {
         match self {
-            Observe::Keys => None,
+            Observe::Keys | Observe::QueryMoments { .. } => None,
             Observe::Last(w) => Some(n.saturating_sub(w)),
             Observe::All => Some(0),
         }
     }
 }
 
-impl Observer for AttentionSums {
+impl Observer for Observed {
     fn wants(&self) -> Wants {
         Wants {
-            attention: true,
+            attention: !self.sums.is_empty(),
+            queries: !self.moments.is_empty(),
             ..Wants::default()
         }
     }
@@ -392,6 +531,17 @@ impl Observer for AttentionSums {
         if self.add(layer, probs).is_err() {
             self.unreadable = true;
         }
+    }
+
+    fn queries(&mut self, layer: usize, queries: &Tensor) {
+        let start = self.start;
+        let mut unreadable = false;
+        for (skip, layers) in &mut self.moments {
+            if let Some(Some(m)) = layers.get_mut(layer) {
+                unreadable |= m.add(queries, skip.saturating_sub(start)).is_err();
+            }
+        }
+        self.unreadable |= unreadable;
     }
 }
 

@@ -16,7 +16,7 @@ use crate::model::{
     last_row, GenerateOptions, Generation, HeadCache, Interventions, KvBytes, KvCache, Model,
     Observer, Sampler, Session, StopReason, Tee, Wants,
 };
-use crate::policy::evict::{AttentionSums, Observe};
+use crate::policy::evict::{Observe, Observed};
 use crate::policy::plan::{DynamicSource, Plan, Prefill};
 use crate::{Error, Result};
 
@@ -32,7 +32,7 @@ pub struct Prefilled {
     /// The prompt.
     prompt: Vec<u32>,
     /// Attention sums of the observed positions, for presses that read attention.
-    attention: Option<AttentionSums>,
+    attention: Option<Observed>,
     secs: f64,
 }
 
@@ -65,7 +65,7 @@ impl Prefilled {
         let mut session = Session::new(model, capacity);
         let mut obs = LastHidden::new(true);
         let head = &prompt[..prompt.len() - 1];
-        let mut sums = AttentionSums::new(model.config(), head.len(), observes);
+        let mut sums = Observed::new(model.config(), head.len(), observes);
         let from = sums.first();
         if from > 0 {
             session.prefill(&head[..from], &mut obs, edits)?;

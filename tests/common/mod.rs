@@ -247,7 +247,9 @@ fn rmsnorm(x: &[f32], w: &[f32], eps: f64) -> Vec<f32> {
 }
 
 /// Rotate pairs `(2i, 2i+1)` (llama) or `(i, i + d/2)` (Gemma) by `pos * base^(-2i/d)`.
-fn rope(v: &mut [f32], pos: usize, base: f32, halves: bool) {
+/// RoPE of one head vector at `pos`: pairs `(i, i + d / 2)` when `halves`, else
+/// `(2i, 2i + 1)`, pair `i` rotated by `pos * base^(-2i / d)`.
+pub fn rope(v: &mut [f32], pos: usize, base: f32, halves: bool) {
     let d = v.len();
     for i in 0..d / 2 {
         let theta = pos as f64 * (base as f64).powf(-2.0 * i as f64 / d as f64);
@@ -285,10 +287,23 @@ pub fn brute_force_attention(w: &Weights, tokens: &[u32]) -> Vec<Vec<Vec<Vec<f64
     brute_force(w, tokens, &no_edits()).attention
 }
 
+/// Queries before RoPE (`n_heads * d_head` values) and values (`n_kv_heads * d_head`)
+/// of every layer and position, `[layer][position]`, from the plain-loop pass with full
+/// attention.
+pub fn brute_force_queries_values(w: &Weights, tokens: &[u32]) -> (PerPosition, PerPosition) {
+    let b = brute_force(w, tokens, &no_edits());
+    (b.queries, b.values)
+}
+
+/// Rows of every layer and position, `[layer][position]`.
+pub type PerPosition = Vec<Vec<Vec<f32>>>;
+
 /// What the plain-loop pass computes.
 struct Brute {
     logits: Vec<Vec<f32>>,
     keys: Vec<Vec<Vec<f32>>>,
+    queries: Vec<Vec<Vec<f32>>>,
+    values: Vec<Vec<Vec<f32>>>,
     attention: Vec<Vec<Vec<Vec<f64>>>>,
 }
 
@@ -309,6 +324,8 @@ fn brute_force(w: &Weights, tokens: &[u32], edits: &BruteEdits) -> Brute {
         })
         .collect();
     let mut all_keys = Vec::with_capacity(w.layers.len());
+    let mut all_queries = Vec::with_capacity(w.layers.len());
+    let mut all_values = Vec::with_capacity(w.layers.len());
     let mut all_probs = Vec::with_capacity(w.layers.len());
     for (l, lw) in w.layers.iter().enumerate() {
         // Gemma 3 here: every `global_every`-th layer global, the rest windowed.
@@ -321,6 +338,7 @@ fn brute_force(w: &Weights, tokens: &[u32], edits: &BruteEdits) -> Brute {
             .map(|x| rmsnorm(x, &lw.attn_norm, cfg.rms_eps))
             .collect();
         let mut qs = Vec::new();
+        let mut pre_rope = Vec::new();
         let mut ks = Vec::new();
         let mut vs = Vec::new();
         for (p, h) in hs.iter().enumerate() {
@@ -334,6 +352,7 @@ fn brute_force(w: &Weights, tokens: &[u32], edits: &BruteEdits) -> Brute {
                     head.copy_from_slice(&rmsnorm(head, &g.k_norm, cfg.rms_eps));
                 }
             }
+            pre_rope.push(q.clone());
             for head in q.chunks_mut(dh) {
                 rope(head, p, base, gemma);
             }
@@ -345,6 +364,8 @@ fn brute_force(w: &Weights, tokens: &[u32], edits: &BruteEdits) -> Brute {
             vs.push(matvec(&lw.wv, h, nkv * dh));
         }
         all_keys.push(ks.clone());
+        all_queries.push(pre_rope);
+        all_values.push(vs.clone());
         let mut probs = vec![vec![vec![0f64; tokens.len()]; tokens.len()]; nh];
         for p in 0..tokens.len() {
             let mut concat = vec![0f32; nh * dh];
@@ -432,6 +453,8 @@ fn brute_force(w: &Weights, tokens: &[u32], edits: &BruteEdits) -> Brute {
     Brute {
         logits,
         keys: all_keys,
+        queries: all_queries,
+        values: all_values,
         attention: all_probs,
     }
 }

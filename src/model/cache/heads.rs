@@ -9,10 +9,8 @@
 
 use serde::{Deserialize, Serialize};
 
-use std::borrow::Cow;
-
 use crate::model::cache::rows::RowFormat;
-use crate::model::cache::store::{HeadStore, KvBytes, Retention};
+use crate::model::cache::store::{HeadStore, KvBytes, Readable, Retention};
 use crate::model::{Config, KvCache};
 use crate::{Error, Result};
 
@@ -153,15 +151,15 @@ impl HeadCache {
         Ok(())
     }
 
-    /// Keys `(rows, d_head)` row-major that (`layer`, `kv_head`) holds (after RoPE,
-    /// decoded to f32 from a quantized store); `None` unless the store keeps every
-    /// position (the stores a press may evict from).
-    pub fn full_store_keys(&self, layer: usize, kv_head: usize) -> Option<Cow<'_, [f32]>> {
+    /// Keys (after RoPE) and values `(rows, d_head)` row-major that (`layer`,
+    /// `kv_head`) holds, decoded to f32 from a quantized store; `None` unless the store
+    /// keeps every position (the stores a press may evict from).
+    pub fn full_store_rows(&self, layer: usize, kv_head: usize) -> Option<Readable<'_>> {
         let store = self.stores.get(layer * self.n_kv_heads + kv_head)?;
-        (store.retention == Retention::Full).then(|| store.keys())
+        (store.retention == Retention::Full).then(|| store.readable(self.len, false))
     }
 
-    /// Keep only rows `rows` (ascending indices into [`HeadCache::full_store_keys`]) of
+    /// Keep only rows `rows` (ascending indices into [`HeadCache::full_store_rows`]) of
     /// the full store (`layer`, `kv_head`), with room for the positions still to come:
     /// a press's eviction, between the prefill and the first decode step. The peak
     /// restarts from what is resident after it (the prefill reports its own).

@@ -64,9 +64,9 @@ impl KvBytes {
     }
 }
 
-/// Keys and values `(rows, d)` a query reads: borrowed rows, or rows with a cold tier
-/// dequantized after them.
-pub(crate) type Readable<'a> = (Cow<'a, [f32]>, Cow<'a, [f32]>);
+/// Keys and values `(rows, d)` a query reads: borrowed rows, or rows decoded from a
+/// quantized store or with a cold tier decoded after them.
+pub type Readable<'a> = (Cow<'a, [f32]>, Cow<'a, [f32]>);
 
 /// The stored rows of one KV head.
 #[derive(Debug, Clone)]
@@ -209,11 +209,6 @@ impl HeadStore {
         self.kept.is_some()
     }
 
-    /// Keys `(rows, d)` row-major as stored (decoded to f32 from a quantized store).
-    pub(crate) fn keys(&self) -> Cow<'_, [f32]> {
-        self.keys.as_f32()
-    }
-
     /// Keep only rows `rows` (ascending) of a full store, with room for `room` more
     /// positions: a press's eviction. The buffers are reallocated at their new size, so
     /// the memory is given back.
@@ -285,11 +280,9 @@ mod tests {
         s.keep(&[1, 4], 2).unwrap();
         s.push(6, &[6.0, 0.0], &[0.0, 6.0]);
         assert_eq!(s.positions(7), vec![1, 4, 6]);
-        assert_eq!(s.keys().as_ref(), &[1.0, 0.0, 4.0, 0.0, 6.0, 0.0]);
-        assert_eq!(
-            s.readable(7, false).1.as_ref(),
-            &[0.0, 1.0, 0.0, 4.0, 0.0, 6.0]
-        );
+        let (keys, values) = s.readable(7, false);
+        assert_eq!(keys.as_ref(), &[1.0, 0.0, 4.0, 0.0, 6.0, 0.0]);
+        assert_eq!(values.as_ref(), &[0.0, 1.0, 0.0, 4.0, 0.0, 6.0]);
         // reallocated: 2 kept + 2 to come, keys and values, 2 floats each
         assert_eq!(s.bytes().hot, (2 + 2) * 2 * 2 * 4);
         // a pressed store is pressed again by row, a ring never

@@ -26,8 +26,9 @@ pub struct Adakv {
     /// Share of its equal budget each head keeps whatever the others score, in `[0, 1]`.
     #[serde(default = "default_alpha")]
     pub alpha_safeguard: f64,
-    /// The press whose scores are shared: `knorm`, `snapkv`, `tova` or
-    /// `observed_attention`; its `compression_ratio` is the layer's.
+    /// The press whose scores are shared: `knorm`, `snapkv`, `tova`,
+    /// `observed_attention` or `expected_attention`; its `compression_ratio` is the
+    /// layer's.
     pub press: Box<PolicyConfig>,
 }
 
@@ -47,11 +48,13 @@ impl Press for Adakv {
             PolicyConfig::Knorm(_)
             | PolicyConfig::Snapkv(_)
             | PolicyConfig::Tova(_)
-            | PolicyConfig::ObservedAttention(_) => self.press.press().check(),
+            | PolicyConfig::ObservedAttention(_)
+            | PolicyConfig::ExpectedAttention(_) => self.press.press().check(),
             ref other => Err(Error::invalid(
                 "press",
                 format!(
-                    "{} (adakv shares the budget of knorm, snapkv, tova or observed_attention)",
+                    "{} (adakv shares the budget of knorm, snapkv, tova, observed_attention or \
+                     expected_attention)",
                     other.kind()
                 ),
             )),

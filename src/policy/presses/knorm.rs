@@ -82,11 +82,13 @@ mod tests {
     fn small_keys_score_highest_and_ratios_stay_inside_zero_and_one() {
         let keys = [3.0, 4.0, 0.0, 1.0, 1.0, 1.0];
         let rows = Rows {
+            values: &[],
             keys: &keys,
             d_head: 2,
             group: 0..1,
             attention: None,
             queries: 3..3,
+            moments: None,
         };
         let want = vec![-5.0, -1.0, -(2f32.sqrt())];
         assert_eq!(KeyNorm.score(&rows).unwrap(), want);

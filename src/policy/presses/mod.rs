@@ -142,6 +142,8 @@ registry! {
     tova => Tova,
     /// Every KV head keeps what the whole prefill attended to most (H2O).
     observed_attention => ObservedAttention,
+    /// Every KV head keeps what the next queries are expected to attend to.
+    expected_attention => ExpectedAttention,
     /// Another press's scores with the budget shared across a layer's heads (AdaKV).
     adakv => Adakv,
     /// Every store's rows in f16 or 8-bit blocks (llama.cpp's q8_0).

@@ -78,11 +78,13 @@ mod tests {
         let attention = [2.0, 1.5, 1.0, 1.0];
         let keys = [0.0; 4];
         let rows = Rows {
+            values: &[],
             keys: &keys,
             d_head: 1,
             group: 0..1,
             attention: Some(&attention),
             queries: 0..4,
+            moments: None,
         };
         assert_eq!(MeanAttention.score(&rows).unwrap(), vec![0.5, 0.5, 0.5, 1.0]);
     }

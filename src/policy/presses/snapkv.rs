@@ -134,11 +134,13 @@ mod tests {
         let attention = [2.0, 0.0, 0.0, 4.0, 1.0, 1.0];
         let keys = [0.0; 6];
         let rows = Rows {
+            values: &[],
             keys: &keys,
             d_head: 1,
             group: 0..1,
             attention: Some(&attention),
             queries: 4..6,
+            moments: None,
         };
         let s = WindowAttention {
             window: 2,

@@ -84,11 +84,13 @@ mod tests {
         let attention = [0.6, 0.4, 0.0, 0.0, 0.2, 0.8];
         let keys = [0.0; 3];
         let rows = Rows {
+            values: &[],
             keys: &keys,
             d_head: 1,
             group: 1..2,
             attention: Some(&attention),
             queries: 2..3,
+            moments: None,
         };
         let s = LastQuery.score(&rows).unwrap();
         assert_eq!(s, vec![0.3, 0.3, f32::INFINITY]);
