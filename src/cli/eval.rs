@@ -1,4 +1,4 @@
-//! `headwise eval run|report|kv-budget|kv-report`: ablation experiments and KV-budget
+//! `headwise eval run|report|kv-budget|kv-examples|kv-report`: ablation experiments and KV-budget
 //! sweeps from spec files.
 
 use std::path::PathBuf;
@@ -34,6 +34,15 @@ pub enum EvalCommand {
     /// Run a KV-budget sweep (accuracy and speed of compression policies against resident
     /// KV bytes; resumes an interrupted run), then write its report.
     KvBudget(SweepArgs),
+    /// Write a KV-budget spec's examples (prompt ids, where the question starts, answers,
+    /// the metric) as JSON lines, for other tools to answer the same examples.
+    KvExamples {
+        #[command(flatten)]
+        sweep: SweepArgs,
+        /// The file to write.
+        #[arg(long)]
+        to: PathBuf,
+    },
     /// (Re)write the report of a KV-budget folder from its records.
     KvReport {
         /// The run folder (`eval/results/<model>/<name>`).
@@ -154,6 +163,22 @@ pub fn run(cmd: EvalCommand) -> anyhow::Result<()> {
             bar.finish_and_clear();
             eprintln!("{n} answers generated");
             kv_report(dir)
+        }
+        EvalCommand::KvExamples { sweep, to } => {
+            let mut spec = BudgetSpec::load(&sweep.spec)?;
+            if sweep.data_dir.is_some() {
+                spec.data_dir = sweep.data_dir;
+            }
+            let model = sweep.model.or_model(&spec.model);
+            let path = model.resolve()?;
+            let id = ModelId::of_file(&path)?;
+            let numerics = model.numerics_or(Numerics::Fast);
+            let lm = LoadedModel::load(&path, numerics)?;
+            let examples = kv_budget::examples(&spec, &lm, sweep.limit)?;
+            let answers = (&id, lm.special.stop.as_slice(), spec.max_new);
+            kv_budget::write_examples(&to, &examples, answers, &Made::now(numerics.name()))?;
+            eprintln!("wrote {} examples to {}", examples.len(), to.display());
+            Ok(())
         }
         EvalCommand::KvReport { dir } => kv_report(dir),
         EvalCommand::Rag { sweep, report_only } => rag(sweep, report_only),

@@ -214,6 +214,79 @@ fn metrics_for(task: &str) -> Vec<Metric> {
     }
 }
 
+/// The examples of `spec`'s tasks for the model `lm`, at most `limit` per task (the
+/// first ones), in the order a run answers them: `(task, example)`. Warnings about the
+/// data go to stderr.
+pub fn examples(
+    spec: &BudgetSpec,
+    lm: &LoadedModel,
+    limit: Option<usize>,
+) -> Result<Vec<(String, Example)>> {
+    let enc = Encoder::from_model(lm);
+    let data_dir = spec.data_dir();
+    let mut sources = Sources::new(&data_dir);
+    let mut warnings = Vec::new();
+    let mut out = Vec::new();
+    for entry in &spec.tasks {
+        let mut examples = sources.examples(entry, &enc, &mut warnings)?;
+        if let Some(n) = limit {
+            examples.truncate(n);
+        }
+        out.extend(examples.into_iter().map(|e| (entry.name.clone(), e)));
+    }
+    for w in &warnings {
+        eprintln!("warning: {w}");
+    }
+    Ok(out)
+}
+
+/// One line of an examples export (`headwise eval kv-examples`): the task, the metric a
+/// run scores it by, and the example (prompt ids, where the question starts, answers).
+#[derive(Debug, Clone, Serialize)]
+pub struct ExportedExample<'a> {
+    pub task: &'a str,
+    pub metric: &'static str,
+    pub example: &'a Example,
+}
+
+/// Write `examples` to `path` as JSON lines, atomically: a first line with the model's
+/// identity, the token ids that end an answer (`stop`), the most tokens an answer may
+/// have (`max_new`) and `made`, then one [`ExportedExample`] per line.
+pub fn write_examples(
+    path: &Path,
+    examples: &[(String, Example)],
+    (id, stop, max_new): (&ModelId, &[u32], usize),
+    made: &Made,
+) -> Result<()> {
+    let header = serde_json::json!({
+        "schema_version": BUDGET_SCHEMA_VERSION,
+        "kind": "kv-budget examples",
+        "model": id.name,
+        "model_sha256": id.sha256,
+        "stop": stop,
+        "max_new": max_new,
+        "made": made,
+    });
+    let mut text = header.to_string();
+    text.push('\n');
+    for (task, example) in examples {
+        let metric = metrics_for(task)
+            .first()
+            .map(|m| m.name())
+            .ok_or_else(|| Error::invalid("task", format!("{task} has no metric")))?;
+        let line = ExportedExample {
+            task,
+            metric,
+            example,
+        };
+        text.push_str(
+            &serde_json::to_string(&line).map_err(|e| Error::invalid("examples", e.to_string()))?,
+        );
+        text.push('\n');
+    }
+    write_atomic(path, text.as_bytes())
+}
+
 /// Run (or resume) a sweep into `out`; `limit` caps examples per task.
 pub fn run(
     spec: &BudgetSpec,
@@ -264,14 +337,10 @@ pub fn run(
     let data_dir = spec.data_dir();
     let mut sources = Sources::new(&data_dir);
     let mut warnings = Vec::new();
-    let mut work: Vec<(String, Example, Option<usize>)> = Vec::new();
-    for entry in &spec.tasks {
-        let mut examples = sources.examples(entry, &enc, &mut warnings)?;
-        if let Some(n) = limit {
-            examples.truncate(n);
-        }
-        work.extend(examples.into_iter().map(|e| (entry.name.clone(), e, None)));
-    }
+    let mut work: Vec<(String, Example, Option<usize>)> = examples(spec, lm, limit)?
+        .into_iter()
+        .map(|(task, e)| (task, e, None))
+        .collect();
     if let Some(speed) = &spec.speed {
         let entry = TaskEntry {
             name: "niah".into(),
