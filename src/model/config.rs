@@ -367,10 +367,11 @@ pub(crate) fn get_f64(md: &std::collections::HashMap<String, Value>, key: &str) 
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn tiny() -> Config {
+    /// 2 llama layers, 6 query heads over 2 KV heads of 8 values.
+    pub(crate) fn tiny() -> Config {
         Config {
             architecture: Architecture::Llama,
             n_layers: 2,

@@ -306,57 +306,24 @@ pub fn export(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::Architecture;
-    use crate::policy::ranking::Acceptance;
 
-    /// 2 layers x 4 query heads over 2 KV heads.
+    /// 2 layers x 4 query heads over 2 KV heads, the shape of `ranking`'s.
     fn cfg() -> Config {
         Config {
-            architecture: Architecture::Llama,
-            n_layers: 2,
             n_heads: 4,
-            n_kv_heads: 2,
-            d_model: 32,
-            d_head: 8,
-            d_ff: 64,
-            vocab_size: 100,
-            context_length: 256,
-            rms_eps: 1e-5,
-            rope_base: 10_000.0,
-            sliding_window: None,
+            ..crate::model::config::tests::tiny()
         }
     }
 
     fn id() -> ModelId {
         ModelId {
             name: "tiny".into(),
-            sha256: "ab".into(),
+            sha256: "00".into(),
         }
     }
 
     fn ranking(scores: &[f64]) -> Ranking {
-        let m = HeadMatrix {
-            n_layers: 2,
-            n_heads: 4,
-            data: scores.to_vec(),
-        };
-        let p = Provenance {
-            model: "tiny".into(),
-            model_sha256: "ab".into(),
-            method: "locos".into(),
-            task: serde_json::json!({"kind": "niah"}),
-            trials_run: 3,
-            trials_accepted: 2,
-            acceptance: vec![Acceptance {
-                context_tokens: 256,
-                run: 3,
-                accepted: 2,
-            }],
-            step_source: "greedy".into(),
-            steps: 2,
-            made: Made::now("fast"),
-        };
-        Ranking::new(p, &m, 2)
+        crate::policy::ranking::tests::ranking(scores.to_vec())
     }
 
     fn scratch(name: &str) -> std::path::PathBuf {
@@ -377,7 +344,7 @@ mod tests {
         export(&r, AtlasFormat::Duo, &dir, (4, 64), Made::now("none")).unwrap();
         let p = read_duo(&dir).unwrap();
         assert_eq!((p.sink, p.recent), (4, 64));
-        assert_eq!(p.model_sha256.as_deref(), Some("ab"));
+        assert_eq!(p.model_sha256.as_deref(), Some("00"));
         let back = import(AtlasFormat::Duo, &dir, &cfg(), &id(), Made::now("none")).unwrap();
         // every query head of a KV head scores the KV head's value
         let got: Vec<f64> = back.heads.iter().map(|h| h.score).collect();
@@ -392,7 +359,7 @@ mod tests {
             sha256: "cd".into(),
         };
         let e = import(AtlasFormat::Duo, &dir, &cfg(), &other, Made::now("none")).unwrap_err();
-        assert!(e.to_string().contains("sha256 ab"), "{e}");
+        assert!(e.to_string().contains("sha256 00"), "{e}");
         let mut wide = cfg();
         wide.n_kv_heads = 4;
         let e = import(AtlasFormat::Duo, &dir, &wide, &id(), Made::now("none")).unwrap_err();
@@ -413,7 +380,7 @@ mod tests {
         )
         .unwrap();
         let r = import(AtlasFormat::Duo, &dir, &cfg(), &id(), Made::now("none")).unwrap();
-        assert_eq!(r.provenance.model_sha256, "ab");
+        assert_eq!(r.provenance.model_sha256, "00");
         assert_eq!(
             r.top(2)
                 .iter()
@@ -438,43 +405,31 @@ mod tests {
         let dir = scratch("json");
         let path = dir.join("heads.json");
         export(&r, AtlasFormat::HeadsJson, &path, (0, 0), Made::now("none")).unwrap();
-        let back = import(
-            AtlasFormat::HeadsJson,
-            &path,
-            &cfg(),
-            &id(),
-            Made::now("none"),
-        )
-        .unwrap();
-        let got: Vec<f64> = back.heads.iter().map(|h| h.score).collect();
+        let read = || {
+            import(
+                AtlasFormat::HeadsJson,
+                &path,
+                &cfg(),
+                &id(),
+                Made::now("none"),
+            )
+        };
+        let got: Vec<f64> = read().unwrap().heads.iter().map(|h| h.score).collect();
         assert_eq!(got, SCORES);
         // a list's mean is the score; a missing head, an unknown one and a bad key fail
-        std::fs::write(&path, r#"{"0-0": [0.0, 1.0], "1-3": [0.2]}"#).unwrap();
+        let cases = [
+            (r#"{"0-0": [0.0, 1.0], "1-3": [0.2]}"#, "2 heads scored"),
+            (r#"{"2-0": [1.0]}"#, "scoring head 2-0"),
+            (r#"{"layer0": [1.0]}"#, "not \"layer-head\""),
+            (r#"{"0-0": []}"#, "0-0 has no scores"),
+        ];
+        for (text, needle) in cases {
+            std::fs::write(&path, text).unwrap();
+            let e = read().unwrap_err().to_string();
+            assert!(e.contains(needle), "{text}: {e}");
+        }
+        std::fs::write(&path, r#"{"0-0": [0.0, 1.0]}"#).unwrap();
         assert_eq!(read_heads_json(&path).unwrap()[&(0, 0)], 0.5);
-        let e = import(
-            AtlasFormat::HeadsJson,
-            &path,
-            &cfg(),
-            &id(),
-            Made::now("none"),
-        )
-        .unwrap_err();
-        assert!(e.to_string().contains("2 heads scored"), "{e}");
-        std::fs::write(&path, r#"{"2-0": [1.0]}"#).unwrap();
-        let e = import(
-            AtlasFormat::HeadsJson,
-            &path,
-            &cfg(),
-            &id(),
-            Made::now("none"),
-        )
-        .unwrap_err();
-        assert!(e.to_string().contains("scoring head 2-0"), "{e}");
-        std::fs::write(&path, r#"{"layer0": [1.0]}"#).unwrap();
-        assert!(read_heads_json(&path)
-            .unwrap_err()
-            .to_string()
-            .contains("not \"layer-head\""));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -391,10 +391,11 @@ pub fn check_comparable(a: &Ranking, b: &Ranking) -> Result<()> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn ranking(scores: Vec<f64>) -> Ranking {
+    /// 2 layers x 4 query heads over 2 KV heads, scored `scores` (row-major).
+    pub(crate) fn ranking(scores: Vec<f64>) -> Ranking {
         let m = HeadMatrix {
             n_layers: 2,
             n_heads: 4,
