@@ -540,6 +540,8 @@ fn bad_policies_fail_before_generation() {
         ("type = \"snapkv\"\ncompression_ratio = 1.5", "compression_ratio"),
         ("type = \"quantize\"\nformat = \"f32\"", "format"),
         ("type = \"quantize\"\nformat = \"q4_0\"", "q4_0"),
+        // a prompt shorter than SnapKV's window: refused before the prefill
+        ("type = \"snapkv\"\ncompression_ratio = 0.5", "too short for this press"),
     ];
     for (i, (text, needle)) in cases.iter().enumerate() {
         let p = dir.join(format!("p{i}.toml"));

@@ -87,6 +87,12 @@ pub trait TokenScorer: fmt::Debug + Send + Sync {
 
     /// One score per row.
     fn score(&self, rows: &Rows<'_>) -> Result<Vec<f32>>;
+
+    /// Checks that `n` pressed positions are enough for this scorer, so that a prompt
+    /// too short fails before its prefill (SnapKV's window must be shorter).
+    fn check_rows(&self, _n: usize) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// How many rows each KV head keeps, for a compression ratio `r` and `n` rows.

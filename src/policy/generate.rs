@@ -119,7 +119,8 @@ pub struct PrefillNeed {
 }
 
 /// The prefill `plan` needs for a prompt of `prompt_len` tokens under `opts`; `None` for
-/// a plan that streams its prefill. A `context_len` of 0 or past the prompt is an error.
+/// a plan that streams its prefill. A `context_len` of 0 or past the prompt, or fewer
+/// positions to press than the press's scorer needs, is an error.
 pub fn prefill_need(
     plan: &Plan,
     prompt_len: usize,
@@ -139,6 +140,9 @@ pub fn prefill_need(
         (Some(_), Some(c)) => c + 1,
         _ => prompt_len,
     };
+    if let Some(e) = &plan.evict {
+        e.scorer.check_rows(len - 1)?;
+    }
     let observe = plan
         .evict
         .as_ref()

@@ -97,17 +97,23 @@ impl TokenScorer for WindowAttention {
         Observe::Last(self.window)
     }
 
-    fn score(&self, rows: &Rows<'_>) -> Result<Vec<f32>> {
-        let n = rows.len();
+    fn check_rows(&self, n: usize) -> Result<()> {
         if n <= self.window {
             return Err(Error::invalid(
                 "window_size",
                 format!(
-                    "{} is not shorter than the {n} positions pressed",
+                    "{} is not shorter than the {n} positions pressed (the prompt is too \
+                     short for this press)",
                     self.window
                 ),
             ));
         }
+        Ok(())
+    }
+
+    fn score(&self, rows: &Rows<'_>) -> Result<Vec<f32>> {
+        let n = rows.len();
+        self.check_rows(n)?;
         let before = n - self.window;
         let half = self.kernel / 2;
         let norm = (self.window * self.kernel * rows.group.len()) as f32;
