@@ -540,8 +540,6 @@ fn bad_policies_fail_before_generation() {
         ("type = \"snapkv\"\ncompression_ratio = 1.5", "compression_ratio"),
         ("type = \"quantize\"\nformat = \"f32\"", "format"),
         ("type = \"quantize\"\nformat = \"q4_0\"", "q4_0"),
-        // a prompt shorter than SnapKV's window: refused before the prefill
-        ("type = \"snapkv\"\ncompression_ratio = 0.5", "too short for this press"),
     ];
     for (i, (text, needle)) in cases.iter().enumerate() {
         let p = dir.join(format!("p{i}.toml"));
@@ -555,6 +553,15 @@ fn bad_policies_fail_before_generation() {
             "{err}"
         );
     }
+    // a prompt shorter than SnapKV's 64-position window: refused before the prefill
+    let p = dir.join("snapkv.toml");
+    std::fs::write(&p, "type = \"snapkv\"\ncompression_ratio = 0.5").unwrap();
+    let prompt = "The capital of France is a city on a river with many bridges";
+    let (code, err) = generate(
+        &model,
+        &["--prompt", prompt, "--policy", p.to_str().unwrap()],
+    );
+    assert_clean_error(code, &err, "too short for this press");
     let (code, err) = generate(
         &model,
         &[

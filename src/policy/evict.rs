@@ -88,8 +88,9 @@ pub trait TokenScorer: fmt::Debug + Send + Sync {
     /// One score per row.
     fn score(&self, rows: &Rows<'_>) -> Result<Vec<f32>>;
 
-    /// Checks that `n` pressed positions are enough for this scorer, so that a prompt
-    /// too short fails before its prefill (SnapKV's window must be shorter).
+    /// Checks that `n` pressed positions (0: nothing is pressed) are enough for this
+    /// scorer, so that a prompt too short fails before its prefill (SnapKV's window must
+    /// be shorter).
     fn check_rows(&self, _n: usize) -> Result<()> {
         Ok(())
     }

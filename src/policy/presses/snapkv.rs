@@ -98,7 +98,8 @@ impl TokenScorer for WindowAttention {
     }
 
     fn check_rows(&self, n: usize) -> Result<()> {
-        if n <= self.window {
+        // None pressed (a one-token prompt): nothing to score.
+        if n > 0 && n <= self.window {
             return Err(Error::invalid(
                 "window_size",
                 format!(
