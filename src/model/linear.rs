@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 use crate::model::ggml::InputGrid;
 use crate::model::ggml_quant::QuantMatrix;
-use crate::model::kernels::{BlockMatrix, Format};
+use crate::model::kernels::{BlockMatrix, Format, Isa};
 
 use crate::Result;
 
@@ -194,6 +194,35 @@ impl Linear {
         }
     }
 
+    /// `x`: `(rows, in)` f32 -> `(rows, out)`, each row computed exactly as it would be
+    /// alone (rows from different sequences of a batched decode step). Block weights run
+    /// every row through the integer kernels in one pass over the weight; the other
+    /// paths, whose arithmetic may depend on the number of rows, multiply row by row.
+    pub fn forward_each(&self, x: &Tensor) -> Result<Tensor> {
+        let n = x.dim(0)?;
+        match &self.rows {
+            _ if n == 1 => self.forward(x),
+            RowPath::Blocks(m) => {
+                let inp = x.dim(1)?;
+                if inp != m.cols() {
+                    return Err(crate::Error::invalid(
+                        "linear input",
+                        format!("width {inp}, the weight takes {}", m.cols()),
+                    ));
+                }
+                let xs = x.flatten_all()?.to_vec1::<f32>()?;
+                let y = m.quantized_product(&xs, n, Isa::active());
+                Ok(Tensor::from_vec(y, (n, m.rows()), &Device::Cpu)?)
+            }
+            _ => {
+                let rows = (0..n)
+                    .map(|i| self.forward(&x.narrow(0, i, 1)?))
+                    .collect::<Result<Vec<_>>>()?;
+                Ok(Tensor::cat(&rows, 0)?)
+            }
+        }
+    }
+
     /// The weight as f32 `(out, in)`: in [`Numerics::Fast`] the values it multiplies with
     /// (for a weight requantized to Q8_0, those of its Q8_0 blocks).
     pub fn dequantized(&self) -> Result<Tensor> {
@@ -306,10 +335,24 @@ impl Projections {
 
     /// `x`: `(rows, in)` -> one `(rows, out_i)` tensor per part.
     pub fn forward(&self, x: &Tensor) -> Result<Vec<Tensor>> {
+        self.parts(x, Linear::forward)
+    }
+
+    /// [`Projections::forward`] with each row computed as it would be alone
+    /// ([`Linear::forward_each`]).
+    pub fn forward_each(&self, x: &Tensor) -> Result<Vec<Tensor>> {
+        self.parts(x, Linear::forward_each)
+    }
+
+    fn parts(
+        &self,
+        x: &Tensor,
+        mul: fn(&Linear, &Tensor) -> Result<Tensor>,
+    ) -> Result<Vec<Tensor>> {
         match self {
-            Projections::Separate(parts) => parts.iter().map(|p| p.forward(x)).collect(),
+            Projections::Separate(parts) => parts.iter().map(|p| mul(p, x)).collect(),
             Projections::Stacked { weight, widths } => {
-                let y = weight.forward(x)?;
+                let y = mul(weight, x)?;
                 let mut offset = 0;
                 widths
                     .iter()

@@ -31,5 +31,5 @@ pub use linear::{Linear, Numerics};
 pub use loaded::{LoadedModel, TextStream};
 pub use observe::{last_row, Capture, NoObserver, Observer, Recorder, Tee, Wants};
 pub use rope::Rope;
-pub use session::{Cache, Session};
-pub use transformer::{argmax, DecodeParts, Logits, Model, DEFAULT_CHUNK};
+pub use session::{step_batch, BatchStep, Cache, Session};
+pub use transformer::{argmax, CacheMut, DecodeParts, DecodeRow, Logits, Model, DEFAULT_CHUNK};

@@ -5,12 +5,15 @@
 //! token, [`Session::feed`] when a caller needs the logits of every position.
 //!
 //! The cache is either the plain per-layer [`KvCache`] (every head keeps every position)
-//! or the per-head [`HeadCache`] of a policy; both are a [`Cache`].
+//! or the per-head [`HeadCache`] of a policy; both are a [`Cache`]. [`step_batch`]
+//! advances several sessions by one token in one pass (continuous batching), each
+//! session's logits the same as its own [`Session::step`] would give.
 
 use candle_core::Tensor;
 
+use crate::model::transformer::{CacheMut, DecodeRow};
 use crate::model::{HeadCache, Interventions, KvCache, Logits, Model, Observer};
-use crate::Result;
+use crate::{Error, Result};
 
 /// A cache a [`Session`] runs the model over.
 pub trait Cache {
@@ -28,6 +31,9 @@ pub trait Cache {
 
     /// Positions cached so far: the next token's position.
     fn position(&self) -> usize;
+
+    /// The cache as a forward pass appends to it.
+    fn target(&mut self) -> CacheMut<'_>;
 }
 
 impl Cache for KvCache {
@@ -45,6 +51,10 @@ impl Cache for KvCache {
     fn position(&self) -> usize {
         self.len()
     }
+
+    fn target(&mut self) -> CacheMut<'_> {
+        CacheMut::Plain(self)
+    }
 }
 
 impl Cache for HeadCache {
@@ -61,6 +71,10 @@ impl Cache for HeadCache {
 
     fn position(&self) -> usize {
         self.len()
+    }
+
+    fn target(&mut self) -> CacheMut<'_> {
+        CacheMut::Heads(self)
     }
 }
 
@@ -133,4 +147,36 @@ impl<'m, C: Cache> Session<'m, C> {
     ) -> Result<Tensor> {
         self.feed(&[token], Logits::Last, observer, edits)
     }
+}
+
+/// One session's part of a [`step_batch`]: the token it runs, with its own observer and
+/// edits.
+pub struct BatchStep<'s, 'm, C: Cache> {
+    pub session: &'s mut Session<'m, C>,
+    pub token: u32,
+    pub observer: &'s mut dyn Observer,
+    pub edits: &'s Interventions,
+}
+
+/// Run one token of every session in `batch` in one forward pass (the weights read once
+/// for all of them); each session's logits `(1, vocab)`, in order, bit-identical to
+/// what its own [`Session::step`] gives, whatever else is in the batch. The sessions
+/// must run the same model.
+pub fn step_batch<C: Cache>(batch: &mut [BatchStep<'_, '_, C>]) -> Result<Vec<Tensor>> {
+    let Some(model) = batch.first().map(|b| b.session.model) else {
+        return Ok(Vec::new());
+    };
+    if batch.iter().any(|b| !std::ptr::eq(b.session.model, model)) {
+        return Err(Error::invalid("batch", "sessions of different models"));
+    }
+    let mut rows: Vec<DecodeRow<'_>> = batch
+        .iter_mut()
+        .map(|b| DecodeRow {
+            cache: b.session.cache.target(),
+            token: b.token,
+            observer: &mut *b.observer,
+            edits: b.edits,
+        })
+        .collect();
+    model.decode_batch(&mut rows)
 }

@@ -415,7 +415,7 @@ impl Model {
         observer: &mut dyn Observer,
         edits: &Interventions,
     ) -> Result<Tensor> {
-        self.forward_store(tokens, Store::Plain(cache), logits, observer, edits)
+        self.forward_store(tokens, CacheMut::Plain(cache), logits, observer, edits)
     }
 
     /// [`Model::forward`] over a per-head cache: each KV head reads what its
@@ -431,31 +431,36 @@ impl Model {
         observer: &mut dyn Observer,
         edits: &Interventions,
     ) -> Result<Tensor> {
-        let wants = observer.wants();
-        if wants.attention || wants.values {
-            return Err(Error::invalid(
-                "observer",
-                "attention probabilities and values are not observable through a per-head cache",
-            ));
-        }
-        if edits.restricts_keys() {
-            return Err(Error::invalid(
-                "interventions",
-                "key restrictions and score biases do not apply to a per-head cache \
-                 (use a top-k policy)",
-            ));
-        }
-        self.forward_store(tokens, Store::Heads(cache), logits, observer, edits)
+        self.forward_store(tokens, CacheMut::Heads(cache), logits, observer, edits)
     }
 
-    fn forward_store(
+    /// Check a pass of `tokens` after what `cache` holds, before any work: tokens in the
+    /// vocabulary and within the context, edits that fit the model, and nothing a
+    /// per-head cache cannot give (attention probabilities or values to observe, key
+    /// restrictions or score biases).
+    fn check_step(
         &self,
         tokens: &[u32],
-        mut cache: Store,
-        logits: Logits,
-        observer: &mut dyn Observer,
+        cache: &CacheMut,
+        observer: &dyn Observer,
         edits: &Interventions,
-    ) -> Result<Tensor> {
+    ) -> Result<()> {
+        if let CacheMut::Heads(_) = cache {
+            let wants = observer.wants();
+            if wants.attention || wants.values {
+                return Err(Error::invalid(
+                    "observer",
+                    "attention probabilities and values are not observable through a per-head cache",
+                ));
+            }
+            if edits.restricts_keys() {
+                return Err(Error::invalid(
+                    "interventions",
+                    "key restrictions and score biases do not apply to a per-head cache \
+                     (use a top-k policy)",
+                ));
+            }
+        }
         if tokens.is_empty() {
             return Err(Error::invalid("tokens", "empty input"));
         }
@@ -472,7 +477,18 @@ impl Model {
                 context: self.cfg.context_length,
             });
         }
-        edits.validate(&self.cfg)?;
+        edits.validate(&self.cfg)
+    }
+
+    fn forward_store(
+        &self,
+        tokens: &[u32],
+        mut cache: CacheMut,
+        logits: Logits,
+        observer: &mut dyn Observer,
+        edits: &Interventions,
+    ) -> Result<Tensor> {
+        self.check_step(tokens, &cache, &*observer, edits)?;
         let mut outs = Vec::new();
         let n_chunks = tokens.len().div_ceil(self.chunk);
         // Run the pass on a worker of rayon's pool: its parallel matmuls and attention
@@ -504,7 +520,7 @@ impl Model {
     fn forward_chunk(
         &self,
         tokens: &[u32],
-        cache: &mut Store,
+        cache: &mut CacheMut,
         logits: Option<Logits>,
         observer: &mut dyn Observer,
         edits: &Interventions,
@@ -518,27 +534,21 @@ impl Model {
             x = (x * self.embed_scale)?;
         }
         let causal = (q > 1).then(|| causal_mask(start, q)).transpose()?;
-        let post_norm = |t: Tensor, w: &Option<Tensor>| -> Result<Tensor> {
-            match w {
-                Some(w) => self.norm(&t, w),
-                None => Ok(t),
-            }
-        };
         for (l, block) in self.blocks.iter().enumerate() {
-            let attn =
-                self.attention(l, block, &x, start, causal.as_ref(), cache, observer, edits)?;
-            x = (x + post_norm(attn, &block.post_attn_norm)?)?;
-            let h = self.norm(&x, &block.ffn_norm)?;
-            let gu = block.gate_up.forward(&h)?;
-            let gate = match self.activation {
-                Activation::Silu => gu[0].silu()?,
-                Activation::GeluTanh => match self.numerics {
-                    Numerics::Ggml => ggml::gelu_tensor(&gu[0])?,
-                    Numerics::Reference | Numerics::Fast => gu[0].gelu()?,
-                },
-            };
-            let ffn = block.down.forward(&(gate * &gu[1])?)?;
-            x = (x + post_norm(ffn, &block.post_ffn_norm)?)?;
+            let h = self.norm(&x, &block.attn_norm)?;
+            let qkv = block.qkv.forward(&h)?;
+            let heads = self.attend(
+                l,
+                block,
+                &qkv,
+                start,
+                causal.as_ref(),
+                cache,
+                observer,
+                edits,
+            )?;
+            let attn = block.wo.forward(&heads)?;
+            x = self.post_attention(block, x, attn, Rows::Chunk)?;
             if wants.residual {
                 observer.residual(l, &x);
             }
@@ -555,6 +565,97 @@ impl Model {
         })
     }
 
+    /// One decode step of several sequences: each row's token at the position after its
+    /// own cache, appended to that cache. The matrices run once over all rows (every
+    /// weight read once per step), each row's arithmetic as if it ran alone
+    /// ([`Linear::forward_each`]); attention runs per row over its own cache. So a row's
+    /// logits `(1, vocab)` are bit-identical whatever else is in the batch, and equal to a
+    /// single-sequence step ([`Model::forward`] / [`Model::forward_heads`] with one token).
+    pub fn decode_batch(&self, rows: &mut [DecodeRow<'_>]) -> Result<Vec<Tensor>> {
+        if rows.is_empty() {
+            return Ok(Vec::new());
+        }
+        for row in rows.iter() {
+            self.check_step(&[row.token], &row.cache, &*row.observer, row.edits)?;
+        }
+        let tokens: Vec<u32> = rows.iter().map(|r| r.token).collect();
+        rayon::scope(|_| -> Result<Vec<Tensor>> {
+            for row in rows.iter_mut() {
+                row.observer.begin(row.cache.len(), 1);
+            }
+            let mut x = self.embed.lookup(&tokens)?;
+            if self.embed_scale != 1.0 {
+                x = (x * self.embed_scale)?;
+            }
+            for (l, block) in self.blocks.iter().enumerate() {
+                let h = self.norm(&x, &block.attn_norm)?;
+                let qkv = block.qkv.forward_each(&h)?;
+                let heads = rows
+                    .iter_mut()
+                    .enumerate()
+                    .map(|(i, row)| {
+                        let own: Vec<Tensor> = qkv
+                            .iter()
+                            .map(|t| t.narrow(0, i, 1))
+                            .collect::<candle_core::Result<_>>()?;
+                        let start = row.cache.len();
+                        let (observer, edits) = (&mut *row.observer, row.edits);
+                        self.attend(l, block, &own, start, None, &mut row.cache, observer, edits)
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                let attn = block.wo.forward_each(&Tensor::cat(&heads, 0)?)?;
+                x = self.post_attention(block, x, attn, Rows::Each)?;
+                for (i, row) in rows.iter_mut().enumerate() {
+                    if row.observer.wants().residual {
+                        row.observer.residual(l, &x.narrow(0, i, 1)?);
+                    }
+                }
+            }
+            let h = self.norm(&x, &self.final_norm)?;
+            for (i, row) in rows.iter_mut().enumerate() {
+                row.cache.commit(1);
+                if row.observer.wants().final_hidden {
+                    row.observer.final_hidden(&h.narrow(0, i, 1)?);
+                }
+            }
+            let logits = self.lm_head.forward_each(&h)?;
+            (0..rows.len())
+                .map(|i| Ok(logits.narrow(0, i, 1)?))
+                .collect()
+        })
+    }
+
+    /// The residual stream after a block's attention output `attn` `(q, d_model)`: the
+    /// add, then the feed-forward block and its add. `rows` says how the matrices treat
+    /// the rows (one sequence's chunk, or independent rows of a batch).
+    fn post_attention(&self, block: &Block, x: Tensor, attn: Tensor, rows: Rows) -> Result<Tensor> {
+        let post_norm = |t: Tensor, w: &Option<Tensor>| -> Result<Tensor> {
+            match w {
+                Some(w) => self.norm(&t, w),
+                None => Ok(t),
+            }
+        };
+        let x = (x + post_norm(attn, &block.post_attn_norm)?)?;
+        let h = self.norm(&x, &block.ffn_norm)?;
+        let gu = match rows {
+            Rows::Chunk => block.gate_up.forward(&h)?,
+            Rows::Each => block.gate_up.forward_each(&h)?,
+        };
+        let gate = match self.activation {
+            Activation::Silu => gu[0].silu()?,
+            Activation::GeluTanh => match self.numerics {
+                Numerics::Ggml => ggml::gelu_tensor(&gu[0])?,
+                Numerics::Reference | Numerics::Fast => gu[0].gelu()?,
+            },
+        };
+        let inner = (gate * &gu[1])?;
+        let ffn = match rows {
+            Rows::Chunk => block.down.forward(&inner)?,
+            Rows::Each => block.down.forward_each(&inner)?,
+        };
+        Ok((x + post_norm(ffn, &block.post_ffn_norm)?)?)
+    }
+
     /// `x` `(..., d_model)` RMS-normalised and scaled by `w` in this model's numerics.
     fn norm(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
         let eps = self.cfg.rms_eps as f32;
@@ -564,28 +665,29 @@ impl Model {
         })
     }
 
-    /// One attention block: `x` `(q, d_model)` -> `(q, d_model)` (before the residual add).
+    /// One sequence's attention from its projected queries, keys and values `qkv`
+    /// (`(q, n_heads * d_head)`, `(q, n_kv_heads * d_head)` twice): the new keys and
+    /// values appended to `cache`, and the head outputs, observed and edited,
+    /// `(q, n_heads * d_head)` (before `W_O`).
     #[allow(clippy::too_many_arguments)]
-    fn attention(
+    fn attend(
         &self,
         layer: usize,
         block: &Block,
-        x: &Tensor,
+        qkv: &[Tensor],
         start: usize,
         causal: Option<&Tensor>,
-        cache: &mut Store,
+        cache: &mut CacheMut,
         observer: &mut dyn Observer,
         edits: &Interventions,
     ) -> Result<Tensor> {
         let cfg = &self.cfg;
-        let (q_len, nh, nkv, dh) = (x.dim(0)?, cfg.n_heads, cfg.n_kv_heads, cfg.d_head);
-        let h = self.norm(x, &block.attn_norm)?;
+        let (q_len, nh, nkv, dh) = (qkv[0].dim(0)?, cfg.n_heads, cfg.n_kv_heads, cfg.d_head);
         let rope = &self.ropes[layer];
         // (q_len, n * d_head) -> (1, n, q_len, d_head)
         let heads = |t: Tensor, n: usize| -> Result<Tensor> {
             Ok(t.reshape((1, q_len, n, dh))?.transpose(1, 2)?)
         };
-        let qkv = block.qkv.forward(&h)?;
         let (mut qh, mut kh) = (heads(qkv[0].clone(), nh)?, heads(qkv[1].clone(), nkv)?);
         if let Some((qn, kn)) = &block.qk_norm {
             qh = self.norm(&qh.contiguous()?, qn)?;
@@ -600,8 +702,8 @@ impl Model {
         let kh = rope.apply(&kh, start)?;
         let vh = heads(qkv[2].clone(), nkv)?;
         let cache = match cache {
-            Store::Plain(cache) => cache,
-            Store::Heads(cache) => {
+            CacheMut::Plain(cache) => cache,
+            CacheMut::Heads(cache) => {
                 let out = attention::per_head(
                     cache,
                     layer,
@@ -610,7 +712,7 @@ impl Model {
                     &vh.squeeze(0)?,
                     start,
                 )?;
-                return self.project_heads(layer, block, out, observer, edits);
+                return self.head_outputs(layer, out, observer, edits);
             }
         };
         let stored = cache.append(layer, &kh.squeeze(0)?, &vh.squeeze(0)?)?;
@@ -688,15 +790,13 @@ impl Model {
                 }
             }
         };
-        self.project_heads(layer, block, out, observer, edits)
+        self.head_outputs(layer, out, observer, edits)
     }
 
-    /// Head outputs `(n_heads, q, d_head)` -> observed, edited, through `W_O`:
-    /// `(q, d_model)`.
-    fn project_heads(
+    /// Head outputs `(n_heads, q, d_head)` -> observed, edited: `(q, n_heads * d_head)`.
+    fn head_outputs(
         &self,
         layer: usize,
-        block: &Block,
         out: Tensor,
         observer: &mut dyn Observer,
         edits: &Interventions,
@@ -707,32 +807,56 @@ impl Model {
             observer.head_outputs(layer, &out);
         }
         let out = edits.edit_outputs(layer, out)?;
-        block.wo.forward(&out.reshape((q_len, nh * dh))?)
+        Ok(out.reshape((q_len, nh * dh))?)
     }
 }
 
 /// The cache a forward pass appends to.
-enum Store<'a> {
+pub enum CacheMut<'a> {
     /// One buffer per layer, every KV head alike.
     Plain(&'a mut KvCache),
     /// One store per (layer, KV head), each with its own retention.
     Heads(&'a mut HeadCache),
 }
 
-impl Store<'_> {
-    fn len(&self) -> usize {
+impl CacheMut<'_> {
+    /// Positions cached so far.
+    pub fn len(&self) -> usize {
         match self {
-            Store::Plain(c) => c.len(),
-            Store::Heads(c) => c.len(),
+            CacheMut::Plain(c) => c.len(),
+            CacheMut::Heads(c) => c.len(),
         }
+    }
+
+    /// Whether nothing is cached.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 
     fn commit(&mut self, q: usize) {
         match self {
-            Store::Plain(c) => c.commit(q),
-            Store::Heads(c) => c.commit(q),
+            CacheMut::Plain(c) => c.commit(q),
+            CacheMut::Heads(c) => c.commit(q),
         }
     }
+}
+
+/// One sequence's part of a batched decode step ([`Model::decode_batch`]): its cache,
+/// the token to run, and its own observer and edits.
+pub struct DecodeRow<'a> {
+    pub cache: CacheMut<'a>,
+    pub token: u32,
+    pub observer: &'a mut dyn Observer,
+    pub edits: &'a Interventions,
+}
+
+/// How a pass's matrices treat their rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Rows {
+    /// One sequence's chunk: the fastest product for that many rows.
+    Chunk,
+    /// Independent rows of a batch: each as if it ran alone.
+    Each,
 }
 
 /// Attention probabilities `(n_heads, q, kv_len)` (key axis 2) or values `(n_kv_heads,

@@ -168,11 +168,23 @@ impl Weights {
 
     /// Load these weights into the instrumented model (as f32 GGUF tensors).
     pub fn model(&self, numerics: Numerics) -> Model {
+        self.model_as(numerics, GgmlDType::F32)
+    }
+
+    /// Load these weights with every matrix (embedding included) stored as `dtype` in the
+    /// GGUF source, as a real model file stores them; norms stay f32. Every matrix width
+    /// must be whole blocks of `dtype`.
+    pub fn model_as(&self, numerics: Numerics, dtype: GgmlDType) -> Model {
         let cfg = &self.cfg;
         let mut src = MemorySource::default();
         let mut put = |name: String, data: &[f32], shape: &[usize]| {
             let t = Tensor::from_slice(data, shape, &Device::Cpu).unwrap();
-            src.insert(name, QTensor::quantize(&t, GgmlDType::F32).unwrap());
+            let dtype = if shape.len() == 2 {
+                dtype
+            } else {
+                GgmlDType::F32
+            };
+            src.insert(name, QTensor::quantize(&t, dtype).unwrap());
         };
         let (d, dh, f) = (cfg.d_model, cfg.d_head, cfg.d_ff);
         put(

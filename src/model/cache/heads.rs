@@ -84,6 +84,40 @@ impl HeadCache {
         })
     }
 
+    /// The bytes [`HeadCache::new`] would allocate for these arguments (full stores
+    /// reserve `capacity` rows, rings their size, tiered heads' cold tiers `capacity`
+    /// rows), without allocating: what a sequence of `capacity` positions holds at most
+    /// under a policy that does not press (a press only gives rows back).
+    pub fn projected_bytes(
+        cfg: &Config,
+        retention: &[Retention],
+        format: RowFormat,
+        capacity: usize,
+    ) -> Result<KvBytes> {
+        let n = cfg.n_layers * cfg.n_kv_heads;
+        if retention.len() != n {
+            return Err(Error::invalid(
+                "retention",
+                format!("{} entries for {n} KV heads", retention.len()),
+            ));
+        }
+        let capacity = capacity.clamp(1, cfg.context_length);
+        Ok(retention
+            .iter()
+            .enumerate()
+            .map(|(i, &r)| {
+                let r = match cfg.layer(i / cfg.n_kv_heads).window {
+                    Some(window) => Retention::Stream { sink: 0, window },
+                    None => r,
+                };
+                HeadStore::projected(r, format, cfg.d_head, capacity)
+            })
+            .fold(KvBytes::default(), |acc, b| KvBytes {
+                hot: acc.hot + b.hot,
+                cold: acc.cold + b.cold,
+            }))
+    }
+
     /// A cache holding what `kv` holds (a prefill run with the plain cache) as `format`,
     /// each head then keeping only what its retention allows ("full prefill, then
     /// evict").
@@ -228,5 +262,45 @@ impl HeadCache {
     pub(crate) fn commit(&mut self, q: usize) {
         self.len += q;
         self.peak = self.peak.max(self.bytes());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::config::tests::tiny;
+    use crate::model::config::SlidingWindow;
+
+    #[test]
+    fn projected_bytes_are_what_a_new_cache_allocates() {
+        let mut gemma = tiny();
+        gemma.sliding_window = Some(SlidingWindow {
+            size: 5,
+            global_every: 2,
+            local_rope_base: 1e4,
+        });
+        for cfg in [tiny(), gemma] {
+            let n = cfg.n_layers * cfg.n_kv_heads;
+            let kinds = [
+                Retention::Full,
+                Retention::Stream { sink: 2, window: 7 },
+                Retention::Tiered {
+                    sink: 1,
+                    window: 3,
+                    cold: RowFormat::Q8_0,
+                },
+            ];
+            let retention: Vec<Retention> = (0..n).map(|i| kinds[i % 3]).collect();
+            for format in [RowFormat::F32, RowFormat::F16, RowFormat::Q8_0] {
+                for capacity in [1, 6, 40, 10_000] {
+                    let made = HeadCache::new(&cfg, &retention, format, capacity).unwrap();
+                    let projected =
+                        HeadCache::projected_bytes(&cfg, &retention, format, capacity).unwrap();
+                    assert_eq!(projected, made.bytes(), "{format:?} at {capacity}");
+                    assert!(projected.hot > 0);
+                }
+            }
+        }
+        assert!(HeadCache::projected_bytes(&tiny(), &[], RowFormat::F32, 4).is_err());
     }
 }

@@ -38,6 +38,15 @@ impl RowFormat {
             RowFormat::Q8_0 => "q8_0",
         }
     }
+
+    /// Bytes that `rows` rows of `d` values take in this encoding.
+    pub fn bytes(self, d: usize, rows: usize) -> usize {
+        match self {
+            RowFormat::F32 => rows * d * 4,
+            RowFormat::F16 => rows * d * 2,
+            RowFormat::Q8_0 => rows * (d + d.div_ceil(Q8_BLOCK) * 2),
+        }
+    }
 }
 
 #[derive(Debug, Clone)]

@@ -109,6 +109,24 @@ impl HeadStore {
         }
     }
 
+    /// What [`HeadStore::new`] allocates for these arguments, without allocating.
+    pub(crate) fn projected(
+        retention: Retention,
+        format: RowFormat,
+        d: usize,
+        capacity: usize,
+    ) -> KvBytes {
+        let (rows, cold) = match retention {
+            Retention::Full => (capacity, None),
+            Retention::Stream { sink, window } => ((sink + window).min(capacity), None),
+            Retention::Tiered { sink, window, cold } => ((sink + window).min(capacity), Some(cold)),
+        };
+        KvBytes {
+            hot: 2 * format.bytes(d, rows),
+            cold: cold.map_or(0, |c| 2 * c.bytes(d, capacity)),
+        }
+    }
+
     /// `(sink, window)` of a ring, `None` for a full store.
     fn ring(&self) -> Option<(usize, usize)> {
         match self.retention {

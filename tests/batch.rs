@@ -1,0 +1,334 @@
+//! Batch invariance of the batched decode step (`model::step_batch`): eight sequences
+//! with different prompts, prompt lengths, caches (per-head retentions, quantized rows,
+//! top-k restrictions), edits and observers join a running batch at different steps
+//! and leave it at different steps; every step's logits and observed hidden states
+//! must be bit-identical to the same sequence run alone through `Session::step`, in
+//! every numerics, on tiny llama and Gemma 3 models whose matrices are stored in
+//! quantized blocks (so the integer kernels run, as on a real model file).
+
+mod common;
+
+use candle_core::quantized::GgmlDType;
+use candle_core::Tensor;
+use common::{tiny_config, tiny_gemma_config, Weights};
+use headwise::model::{
+    argmax, step_batch, BatchStep, Cache, Config, HeadCache, Interventions, KvCache, Model,
+    NoObserver, Numerics, OutputEdit, Recorder, Retention, RowFormat, Session, TopK, Wants,
+};
+
+/// A llama whose every matrix width is whole 32-value blocks.
+fn llama() -> Config {
+    Config {
+        d_model: 64,
+        d_head: 16,
+        n_heads: 4,
+        n_kv_heads: 2,
+        d_ff: 96,
+        ..tiny_config()
+    }
+}
+
+/// The tiny Gemma 3 (sliding window of 5 on local layers) with whole-block widths.
+fn gemma() -> Config {
+    Config {
+        d_ff: 64,
+        ..tiny_gemma_config()
+    }
+}
+
+/// One sequence of the test: what it runs and when it is in the batch.
+struct Seq {
+    prompt: Vec<u32>,
+    /// The batch step at which it joins (after its own prefill).
+    join: usize,
+    /// Decode steps it runs before it leaves.
+    steps: usize,
+    /// Index into [`caches`]'s kinds.
+    kind: usize,
+    edits: Interventions,
+    /// Record the final hidden state and residual stream of every step.
+    observe: bool,
+}
+
+fn seqs(cfg: &Config) -> Vec<Seq> {
+    let v = cfg.vocab_size as u32;
+    let prompt = |n: usize, seed: u32| -> Vec<u32> {
+        (0..n as u32).map(|i| (i * 7 + seed * 13 + 1) % v).collect()
+    };
+    let mut ablated = Interventions::new();
+    ablated.set_output(0, 1, OutputEdit::Zero);
+    (0..8)
+        .map(|i| Seq {
+            prompt: prompt([3, 11, 2, 17, 6, 9, 1, 14][i], i as u32),
+            join: [0, 0, 0, 1, 1, 2, 2, 2][i],
+            steps: [9, 5, 7, 4, 10, 3, 6, 5][i],
+            kind: i % 6,
+            edits: if i == 4 {
+                ablated.clone()
+            } else {
+                Interventions::new()
+            },
+            observe: i % 3 == 1,
+        })
+        .collect()
+}
+
+/// A per-head cache of kind `kind`: every store full; rings; rings and full stores
+/// mixed with tiered ones; q8_0 rows; f16 rows; top-k on some query heads.
+fn head_cache(cfg: &Config, kind: usize, capacity: usize) -> HeadCache {
+    let n = cfg.n_layers * cfg.n_kv_heads;
+    let retention: Vec<Retention> = (0..n)
+        .map(|i| match (kind, i % 3) {
+            (1, _) => Retention::Stream { sink: 1, window: 4 },
+            (2, 0) => Retention::Full,
+            (2, 1) => Retention::Tiered {
+                sink: 1,
+                window: 3,
+                cold: RowFormat::Q8_0,
+            },
+            (2, _) => Retention::Stream { sink: 0, window: 5 },
+            _ => Retention::Full,
+        })
+        .collect();
+    let rows = match kind {
+        3 => RowFormat::Q8_0,
+        4 => RowFormat::F16,
+        _ => RowFormat::F32,
+    };
+    let mut cache = HeadCache::new(cfg, &retention, rows, capacity).unwrap();
+    if kind == 2 {
+        let active: Vec<bool> = (0..n).map(|i| i % 2 == 0).collect();
+        cache.set_active(&active).unwrap();
+    }
+    if kind == 5 {
+        let topk = TopK {
+            k: 2,
+            sink: 1,
+            window: 2,
+        };
+        cache.set_topk(cfg.n_layers - 1, 0, Some(topk)).unwrap();
+        cache.set_topk(0, cfg.n_heads - 1, Some(topk)).unwrap();
+    }
+    cache
+}
+
+/// What one sequence's decode steps gave: logits, and the observed final hidden state
+/// and last residual of every step.
+#[derive(Debug, PartialEq)]
+struct Trace {
+    logits: Vec<Vec<f32>>,
+    observed: Vec<Vec<f32>>,
+}
+
+fn row(t: &Tensor) -> Vec<f32> {
+    t.flatten_all().unwrap().to_vec1().unwrap()
+}
+
+fn recorder() -> Recorder {
+    Recorder::new(Wants {
+        final_hidden: true,
+        residual: true,
+        ..Wants::default()
+    })
+}
+
+/// What `recorder` captured at its last step.
+fn captured(recorder: &Recorder) -> Vec<f32> {
+    let step = recorder.steps.last().unwrap();
+    let mut out = row(step.final_hidden.as_ref().unwrap());
+    out.extend(row(step.residual.last().unwrap()));
+    out
+}
+
+/// Prefill all of `seq`'s prompt but its last token.
+fn prefilled<'m, C: Cache>(model: &'m Model, seq: &Seq, cache: C) -> Session<'m, C> {
+    let mut session = Session::with_cache(model, cache);
+    let head = &seq.prompt[..seq.prompt.len() - 1];
+    if !head.is_empty() {
+        session.prefill(head, &mut NoObserver, &seq.edits).unwrap();
+    }
+    session
+}
+
+/// Each sequence alone: prefill, then greedy single-sequence steps.
+fn alone<C: Cache>(model: &Model, seqs: &[Seq], cache: &dyn Fn(&Seq) -> C) -> Vec<Trace> {
+    seqs.iter()
+        .map(|seq| {
+            let mut session = prefilled(model, seq, cache(seq));
+            let mut token = *seq.prompt.last().unwrap();
+            let mut trace = Trace {
+                logits: Vec::new(),
+                observed: Vec::new(),
+            };
+            for _ in 0..seq.steps {
+                let mut rec = recorder();
+                let logits = if seq.observe {
+                    session.step(token, &mut rec, &seq.edits).unwrap()
+                } else {
+                    session.step(token, &mut NoObserver, &seq.edits).unwrap()
+                };
+                if seq.observe {
+                    trace.observed.push(captured(&rec));
+                }
+                trace.logits.push(row(&logits));
+                token = argmax(&logits).unwrap();
+            }
+            trace
+        })
+        .collect()
+}
+
+/// All sequences through one batch: each joins at its step and leaves when done.
+fn batched<C: Cache>(model: &Model, seqs: &[Seq], cache: &dyn Fn(&Seq) -> C) -> Vec<Trace> {
+    let mut traces: Vec<Trace> = seqs
+        .iter()
+        .map(|_| Trace {
+            logits: Vec::new(),
+            observed: Vec::new(),
+        })
+        .collect();
+    // (sequence, session, next token)
+    let mut running: Vec<(usize, Session<C>, u32)> = Vec::new();
+    let mut sizes = Vec::new();
+    for t in 0.. {
+        for (i, seq) in seqs.iter().enumerate().filter(|(_, s)| s.join == t) {
+            running.push((
+                i,
+                prefilled(model, seq, cache(seq)),
+                *seq.prompt.last().unwrap(),
+            ));
+        }
+        running.retain(|(i, _, _)| traces[*i].logits.len() < seqs[*i].steps);
+        if running.is_empty() && seqs.iter().all(|s| s.join <= t) {
+            break;
+        }
+        sizes.push(running.len());
+        let mut recorders: Vec<Recorder> = running.iter().map(|_| recorder()).collect();
+        let mut nothing: Vec<NoObserver> = running.iter().map(|_| NoObserver).collect();
+        let mut batch: Vec<BatchStep<C>> = running
+            .iter_mut()
+            .zip(recorders.iter_mut().zip(nothing.iter_mut()))
+            .map(|((i, session, token), (rec, none))| {
+                let seq = &seqs[*i];
+                BatchStep {
+                    session,
+                    token: *token,
+                    observer: if seq.observe { rec } else { none },
+                    edits: &seq.edits,
+                }
+            })
+            .collect();
+        let logits = step_batch(&mut batch).unwrap();
+        drop(batch);
+        for (((i, _, token), l), rec) in running.iter_mut().zip(&logits).zip(&recorders) {
+            traces[*i].logits.push(row(l));
+            if seqs[*i].observe {
+                traces[*i].observed.push(captured(rec));
+            }
+            *token = argmax(l).unwrap();
+        }
+    }
+    // All eight ran in one step (a batch as large as the row count from which a single
+    // sequence's prefill takes another product), and the batch size changed.
+    assert_eq!(sizes.iter().max(), Some(&8), "batch sizes {sizes:?}");
+    assert!(
+        sizes.windows(2).any(|w| w[0] != w[1]),
+        "batch sizes {sizes:?}"
+    );
+    traces
+}
+
+fn check(name: &str, alone: Vec<Trace>, batched: Vec<Trace>, seqs: &[Seq]) {
+    for (i, (a, b)) in alone.iter().zip(&batched).enumerate() {
+        assert_eq!(a.logits.len(), seqs[i].steps, "{name}: sequence {i} steps");
+        assert!(
+            a == b,
+            "{name}: sequence {i} differs in a batch (first step that differs: {:?})",
+            a.logits.iter().zip(&b.logits).position(|(x, y)| x != y)
+        );
+    }
+}
+
+#[test]
+fn a_sequence_decodes_the_same_bits_alone_and_in_any_batch() {
+    for (arch, cfg) in [("llama", llama()), ("gemma", gemma())] {
+        let w = Weights::random(cfg.clone(), 41);
+        for numerics in [Numerics::Fast, Numerics::Reference, Numerics::Ggml] {
+            for dtype in [GgmlDType::Q4_1, GgmlDType::Q8_0] {
+                let model = w.model_as(numerics, dtype);
+                let seqs = seqs(&cfg);
+                let capacity = |s: &Seq| s.prompt.len() + s.steps;
+                let name = format!("{arch} {numerics:?} {dtype:?} per-head");
+                let heads = |s: &Seq| head_cache(&cfg, s.kind, capacity(s));
+                check(
+                    &name,
+                    alone(&model, &seqs, &heads),
+                    batched(&model, &seqs, &heads),
+                    &seqs,
+                );
+                let name = format!("{arch} {numerics:?} {dtype:?} plain");
+                let plain = |s: &Seq| KvCache::new(&cfg, capacity(s));
+                check(
+                    &name,
+                    alone(&model, &seqs, &plain),
+                    batched(&model, &seqs, &plain),
+                    &seqs,
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn a_batch_refuses_sessions_of_different_models() {
+    let cfg = llama();
+    let a = Weights::random(cfg.clone(), 1).model_as(Numerics::Fast, GgmlDType::Q8_0);
+    let b = Weights::random(cfg.clone(), 2).model_as(Numerics::Fast, GgmlDType::Q8_0);
+    let (mut sa, mut sb) = (Session::new(&a, 8), Session::new(&b, 8));
+    let edits = Interventions::new();
+    let (mut oa, mut ob) = (NoObserver, NoObserver);
+    let mut batch = vec![
+        BatchStep {
+            session: &mut sa,
+            token: 1,
+            observer: &mut oa,
+            edits: &edits,
+        },
+        BatchStep {
+            session: &mut sb,
+            token: 2,
+            observer: &mut ob,
+            edits: &edits,
+        },
+    ];
+    let err = step_batch(&mut batch).unwrap_err().to_string();
+    assert!(err.contains("different models"), "{err}");
+    assert!(step_batch::<KvCache>(&mut []).unwrap().is_empty());
+}
+
+#[test]
+fn a_bad_row_fails_the_batch_before_any_cache_changes() {
+    let cfg = llama();
+    let model = Weights::random(cfg.clone(), 3).model_as(Numerics::Fast, GgmlDType::Q8_0);
+    let (mut sa, mut sb) = (Session::new(&model, 8), Session::new(&model, 8));
+    let edits = Interventions::new();
+    let (mut oa, mut ob) = (NoObserver, NoObserver);
+    let mut batch = vec![
+        BatchStep {
+            session: &mut sa,
+            token: 1,
+            observer: &mut oa,
+            edits: &edits,
+        },
+        BatchStep {
+            session: &mut sb,
+            token: cfg.vocab_size as u32,
+            observer: &mut ob,
+            edits: &edits,
+        },
+    ];
+    let err = step_batch(&mut batch).unwrap_err().to_string();
+    assert!(err.contains("outside the vocabulary"), "{err}");
+    drop(batch);
+    assert_eq!((sa.position(), sb.position()), (0, 0));
+}
