@@ -97,6 +97,11 @@ impl<'m, C: Cache> Session<'m, C> {
         Self { model, cache }
     }
 
+    /// The model.
+    pub fn model(&self) -> &'m Model {
+        self.model
+    }
+
     /// The cache.
     pub fn cache(&self) -> &C {
         &self.cache

@@ -271,6 +271,11 @@ impl Model {
         self.ggml_simd = simd;
     }
 
+    /// The prefill chunk size: a prompt runs in forward steps of this many tokens.
+    pub fn chunk(&self) -> usize {
+        self.chunk
+    }
+
     /// Set the prefill chunk size (tokens per forward step; at least 1).
     pub fn set_chunk(&mut self, chunk: usize) {
         self.chunk = chunk.max(1);

@@ -13,8 +13,8 @@ use candle_core::Tensor;
 use serde::{Deserialize, Serialize};
 
 use crate::model::{
-    last_row, GenerateOptions, Generation, HeadCache, Interventions, KvBytes, KvCache, Model,
-    Observer, Sampler, Session, StopReason, Tee, Wants,
+    last_row, BatchStep, GenerateOptions, Generation, HeadCache, Interventions, KvBytes, KvCache,
+    Model, Observer, Sampler, Session, StopReason, Tee, Wants,
 };
 use crate::policy::evict::{Observe, Observed};
 use crate::policy::plan::{DynamicSource, Plan, Prefill};
@@ -214,155 +214,338 @@ pub fn generate(
     oracle_labels: Option<&[Vec<f32>]>,
     on_token: &mut dyn FnMut(u32, &Tensor, KvBytes) -> bool,
 ) -> Result<PolicyGeneration> {
-    let cfg = model.config();
-    opts.check(prompt.len(), cfg.context_length)?;
-    // Labels drive an oracle plan only; any other plan ignores them.
-    let oracle = match (&plan.dynamic, oracle_labels) {
-        (Some(d), labels) if matches!(d.source, DynamicSource::Oracle) => {
-            Some(labels.ok_or_else(|| {
-                Error::invalid(
-                    "dynamic_heads",
-                    "the oracle needs per-step labels (run it from the eval harness)",
-                )
-            })?)
-        }
-        _ => None,
-    };
-    let mut sampler = Sampler::new(opts.sampling)?;
-    let capacity = prompt.len() + opts.max_new;
-    let t0 = Instant::now();
-    // With a shared prefill, its time counts as this run's prefill.
-    let mut shared_secs = 0.0;
-    let (mut session, mut hidden, prefill_peak) = match plan.prefill {
-        Prefill::FullThenEvict => {
-            let need = prefill_need(plan, prompt.len(), opts)?
-                .ok_or(Error::Internal("a full_then_evict plan prefills"))?;
-            // Pressing the context alone: the question then runs over what was kept.
-            let context = (need.len < prompt.len()).then_some(need.len - 1);
-            let own;
-            let pre = match prefilled {
-                Some(p) if p.serves(prompt, need, &plan.edits) => {
-                    shared_secs = p.secs;
-                    p
-                }
-                Some(_) => return Err(Error::invalid(
-                    "prefill",
-                    "shared for another prompt or edits, or without the attention the press reads",
-                )),
-                None => {
-                    let pressed = &prompt[..need.len];
-                    let observes = [need.observe];
-                    own = Prefilled::observed(model, &plan.edits, pressed, capacity, &observes)?;
-                    &own
-                }
-            };
-            let mut cache = HeadCache::from_kv(cfg, &pre.kv, &plan.retention, plan.rows, capacity)?;
-            let mut peak = pre.bytes() + cache.bytes().total();
-            if let Some(eviction) = &plan.evict {
-                eviction.press(&mut cache, cfg, pre.attention.as_ref())?;
-            }
-            let mut session = Session::with_cache(model, cache);
-            let hidden = match context {
-                Some(c) => {
-                    let mut obs = LastHidden::new(true);
-                    session.prefill(&prompt[c..prompt.len() - 1], &mut obs, &plan.edits)?;
-                    peak = peak.max(session.cache().peak_bytes().total());
-                    obs.hidden
-                }
-                None => pre.hidden.clone(),
-            };
-            (session, hidden, peak)
-        }
-        Prefill::Stream => {
-            let cache = HeadCache::new(cfg, &plan.retention, plan.rows, capacity)?;
-            let mut session = Session::with_cache(model, cache);
-            let mut obs = LastHidden::new(true);
-            if prompt.len() > 1 {
-                let head = &prompt[..prompt.len() - 1];
-                session.prefill(head, &mut obs, &plan.edits)?;
-            }
-            let peak = session.cache().peak_bytes().total();
-            (session, obs.hidden, peak)
-        }
-    };
-    for &(layer, head, tk) in &plan.topk {
-        session.cache_mut().set_topk(layer, head, Some(tk))?;
-    }
-    let want_hidden = matches!(
-        plan.dynamic.as_ref().map(|d| &d.source),
-        Some(DynamicSource::Probe { .. })
-    );
-    let mut probe_ws = None;
-    let mut probe_out = Vec::new();
-    let mut active_sum = 0usize;
-    let mut steps = 0usize;
-    let mut tokens = Vec::with_capacity(opts.max_new);
-    let mut input = *prompt
-        .last()
-        .ok_or(Error::Internal("prompts are checked non-empty"))?;
-    let mut prefill_secs = 0.0;
-    let no_labels = vec![0.0; cfg.n_layers * cfg.n_heads];
-    let mut t1 = Instant::now();
+    let mut decoding = Decoding::start(model, plan, prompt, opts, prefilled, oracle_labels)?;
     let stop = loop {
-        if let Some(d) = &plan.dynamic {
-            let flags = match &d.source {
-                DynamicSource::Oracle => {
-                    let labels =
-                        oracle.ok_or(Error::Internal("oracle labels are checked present"))?;
-                    let step = labels.get(steps).unwrap_or(&no_labels);
-                    plan.active_kv_heads(step, 0.5, d.gqa)
-                }
-                DynamicSource::Probe { probe, threshold } => match &hidden {
-                    Some(h) => {
-                        let ws = probe_ws.get_or_insert_with(|| probe.workspace());
-                        probe_out.resize(probe.output_dim(), 0.0);
-                        probe.predict_into(h, ws, &mut probe_out)?;
-                        plan.active_kv_heads(&probe_out, *threshold, d.gqa)
-                    }
-                    None => vec![false; cfg.n_layers * cfg.n_kv_heads],
-                },
-            };
-            active_sum += flags.iter().filter(|&&a| a).count();
-            session.cache_mut().set_active(&flags)?;
-        }
-        let mut obs = LastHidden::new(want_hidden);
-        let logits = session.step(input, &mut obs, &plan.edits)?;
-        hidden = obs.hidden;
-        steps += 1;
-        let next = sampler.sample(&logits)?;
-        if tokens.is_empty() {
-            prefill_secs = t0.elapsed().as_secs_f64() + shared_secs;
-            t1 = Instant::now();
-        }
-        tokens.push(next);
-        if !on_token(next, &logits, session.cache().bytes()) {
+        decoding.prepare()?;
+        let logits = decoding.step()?;
+        let next = decoding.advance(&logits)?;
+        if !on_token(next, &logits, decoding.kv_bytes()) {
             break StopReason::Cancelled;
         }
-        if opts.stop.contains(&next) {
-            break StopReason::Stop;
+        if let Some(stop) = decoding.stopped() {
+            break stop;
         }
-        if tokens.len() == opts.max_new {
-            break StopReason::Length;
-        }
-        input = next;
     };
-    let kv = KvStats {
-        end: session.cache().bytes(),
-        peak: session.cache().peak_bytes(),
-        prefill_peak,
-        mean_active_kv_heads: plan
-            .dynamic
-            .as_ref()
-            .map(|_| active_sum as f64 / steps.max(1) as f64),
-    };
-    Ok(PolicyGeneration {
-        generation: Generation {
-            tokens,
-            stop,
+    Ok(decoding.finish(stop))
+}
+
+/// One generation under a [`Plan`] between its steps: prefilled by
+/// [`Decoding::start`], then per token [`Decoding::prepare`] (the dynamic head
+/// choice), a step ([`Decoding::step`] alone, or [`Decoding::batch_step`] in a
+/// [`step_batch`](crate::model::step_batch) with other generations), and
+/// [`Decoding::advance`] with the step's logits. [`generate`] is this loop for one
+/// generation; a scheduler runs it for many at once.
+pub struct Decoding<'a> {
+    plan: &'a Plan,
+    session: Session<'a, HeadCache>,
+    /// A streaming prefill's positions (all of the prompt but its last token), of
+    /// which `done` have run.
+    pending: Vec<u32>,
+    done: usize,
+    /// The prefill is done.
+    ready: bool,
+    sampler: Sampler,
+    stop: Vec<u32>,
+    max_new: usize,
+    oracle: Option<&'a [Vec<f32>]>,
+    /// What the next step observes (the final hidden state, for a probe).
+    observer: LastHidden,
+    /// The final hidden state of the last position run, when a probe reads it.
+    hidden: Option<Vec<f32>>,
+    probe_ws: Option<crate::probe::Workspace>,
+    probe_out: Vec<f32>,
+    no_labels: Vec<f32>,
+    /// `n_layers * n_kv_heads`.
+    kv_heads: usize,
+    active_sum: usize,
+    steps: usize,
+    tokens: Vec<u32>,
+    input: u32,
+    prompt_tokens: usize,
+    prefill_peak: usize,
+    t0: Instant,
+    t1: Instant,
+    /// With a shared prefill, its time counts as this run's prefill.
+    shared_secs: f64,
+    prefill_secs: f64,
+}
+
+impl<'a> Decoding<'a> {
+    /// Check the request and run the prompt but its last token (which the first step
+    /// runs); see [`generate`] for `prefilled` and `oracle_labels`.
+    pub fn start(
+        model: &'a Model,
+        plan: &'a Plan,
+        prompt: &[u32],
+        opts: &GenerateOptions,
+        prefilled: Option<&Prefilled>,
+        oracle_labels: Option<&'a [Vec<f32>]>,
+    ) -> Result<Self> {
+        let mut decoding = Self::begin(model, plan, prompt, opts, prefilled, oracle_labels)?;
+        decoding.prefill_some(usize::MAX)?;
+        Ok(decoding)
+    }
+
+    /// [`Decoding::start`] with the prefill left to [`Decoding::prefill_some`] where
+    /// the plan streams its prefill (a `full_then_evict` plan prefills and presses here,
+    /// whole).
+    pub fn begin(
+        model: &'a Model,
+        plan: &'a Plan,
+        prompt: &[u32],
+        opts: &GenerateOptions,
+        prefilled: Option<&Prefilled>,
+        oracle_labels: Option<&'a [Vec<f32>]>,
+    ) -> Result<Self> {
+        let cfg = model.config();
+        opts.check(prompt.len(), cfg.context_length)?;
+        // Labels drive an oracle plan only; any other plan ignores them.
+        let oracle = match (&plan.dynamic, oracle_labels) {
+            (Some(d), labels) if matches!(d.source, DynamicSource::Oracle) => {
+                Some(labels.ok_or_else(|| {
+                    Error::invalid(
+                        "dynamic_heads",
+                        "the oracle needs per-step labels (run it from the eval harness)",
+                    )
+                })?)
+            }
+            _ => None,
+        };
+        let sampler = Sampler::new(opts.sampling)?;
+        let capacity = prompt.len() + opts.max_new;
+        let t0 = Instant::now();
+        let mut shared_secs = 0.0;
+        let mut pending = Vec::new();
+        let (session, hidden, prefill_peak) = match plan.prefill {
+            Prefill::FullThenEvict => {
+                let need = prefill_need(plan, prompt.len(), opts)?
+                    .ok_or(Error::Internal("a full_then_evict plan prefills"))?;
+                // Pressing the context alone: the question then runs over what was kept.
+                let context = (need.len < prompt.len()).then_some(need.len - 1);
+                let own;
+                let pre = match prefilled {
+                    Some(p) if p.serves(prompt, need, &plan.edits) => {
+                        shared_secs = p.secs;
+                        p
+                    }
+                    Some(_) => return Err(Error::invalid(
+                        "prefill",
+                        "shared for another prompt or edits, or without the attention the press reads",
+                    )),
+                    None => {
+                        let pressed = &prompt[..need.len];
+                        let observes = [need.observe];
+                        own = Prefilled::observed(model, &plan.edits, pressed, capacity, &observes)?;
+                        &own
+                    }
+                };
+                let mut cache =
+                    HeadCache::from_kv(cfg, &pre.kv, &plan.retention, plan.rows, capacity)?;
+                let mut peak = pre.bytes() + cache.bytes().total();
+                if let Some(eviction) = &plan.evict {
+                    eviction.press(&mut cache, cfg, pre.attention.as_ref())?;
+                }
+                let mut session = Session::with_cache(model, cache);
+                let hidden = match context {
+                    Some(c) => {
+                        let mut obs = LastHidden::new(true);
+                        session.prefill(&prompt[c..prompt.len() - 1], &mut obs, &plan.edits)?;
+                        peak = peak.max(session.cache().peak_bytes().total());
+                        obs.hidden
+                    }
+                    None => pre.hidden.clone(),
+                };
+                (session, hidden, peak)
+            }
+            Prefill::Stream => {
+                let cache = HeadCache::new(cfg, &plan.retention, plan.rows, capacity)?;
+                pending = prompt[..prompt.len() - 1].to_vec();
+                (Session::with_cache(model, cache), None, 0)
+            }
+        };
+        let want_hidden = matches!(
+            plan.dynamic.as_ref().map(|d| &d.source),
+            Some(DynamicSource::Probe { .. })
+        );
+        Ok(Self {
+            plan,
+            session,
+            pending,
+            done: 0,
+            ready: false,
+            sampler,
+            stop: opts.stop.clone(),
+            max_new: opts.max_new,
+            oracle,
+            observer: LastHidden::new(want_hidden),
+            hidden,
+            probe_ws: None,
+            probe_out: Vec::new(),
+            no_labels: vec![0.0; cfg.n_layers * cfg.n_heads],
+            kv_heads: cfg.n_layers * cfg.n_kv_heads,
+            active_sum: 0,
+            steps: 0,
+            tokens: Vec::with_capacity(opts.max_new),
+            input: *prompt
+                .last()
+                .ok_or(Error::Internal("prompts are checked non-empty"))?,
             prompt_tokens: prompt.len(),
-            prefill_secs,
-            decode_secs: t1.elapsed().as_secs_f64(),
-        },
-        kv,
-    })
+            prefill_peak,
+            t0,
+            t1: Instant::now(),
+            shared_secs,
+            prefill_secs: 0.0,
+        })
+    }
+
+    /// Prompt positions still to prefill.
+    pub fn prefill_left(&self) -> usize {
+        self.pending.len() - self.done
+    }
+
+    /// Prefill up to `max_tokens` more prompt positions (rounded up to whole chunks of
+    /// the model's prefill, so that a prefill run in several calls computes what one
+    /// call would); returns how many ran. Top-k restrictions start once it is done.
+    pub fn prefill_some(&mut self, max_tokens: usize) -> Result<usize> {
+        if self.ready {
+            return Ok(0);
+        }
+        let chunk = self.session.model().chunk();
+        let n = max_tokens
+            .max(1)
+            .checked_next_multiple_of(chunk)
+            .unwrap_or(usize::MAX)
+            .min(self.prefill_left());
+        if n > 0 {
+            let part = &self.pending[self.done..self.done + n];
+            let mut obs = LastHidden::new(true);
+            self.session.prefill(part, &mut obs, &self.plan.edits)?;
+            self.hidden = obs.hidden;
+            self.done += n;
+            let peak = self.session.cache().peak_bytes().total();
+            self.prefill_peak = self.prefill_peak.max(peak);
+        }
+        if self.prefill_left() == 0 {
+            for &(layer, head, tk) in &self.plan.topk {
+                self.session.cache_mut().set_topk(layer, head, Some(tk))?;
+            }
+            self.ready = true;
+        }
+        Ok(n)
+    }
+
+    /// Whether the prefill is done (the next call is a step).
+    pub fn ready(&self) -> bool {
+        self.ready
+    }
+
+    /// Before a step: a dynamic plan chooses the KV heads that read their cold tier
+    /// (from the probe on the last hidden state, or the oracle's labels).
+    pub fn prepare(&mut self) -> Result<()> {
+        let Some(d) = &self.plan.dynamic else {
+            return Ok(());
+        };
+        let flags = match &d.source {
+            DynamicSource::Oracle => {
+                let labels = self
+                    .oracle
+                    .ok_or(Error::Internal("oracle labels are checked present"))?;
+                let step = labels.get(self.steps).unwrap_or(&self.no_labels);
+                self.plan.active_kv_heads(step, 0.5, d.gqa)
+            }
+            DynamicSource::Probe { probe, threshold } => match &self.hidden {
+                Some(h) => {
+                    let ws = self.probe_ws.get_or_insert_with(|| probe.workspace());
+                    self.probe_out.resize(probe.output_dim(), 0.0);
+                    probe.predict_into(h, ws, &mut self.probe_out)?;
+                    self.plan
+                        .active_kv_heads(&self.probe_out, *threshold, d.gqa)
+                }
+                None => vec![false; self.kv_heads],
+            },
+        };
+        self.active_sum += flags.iter().filter(|&&a| a).count();
+        self.session.cache_mut().set_active(&flags)
+    }
+
+    /// Run the next token alone; its logits `(1, vocab)`.
+    pub fn step(&mut self) -> Result<Tensor> {
+        if !self.ready {
+            return Err(Error::Internal("a step before the prefill is done"));
+        }
+        self.session
+            .step(self.input, &mut self.observer, &self.plan.edits)
+    }
+
+    /// The next token as one row of a batched step (once [`Decoding::ready`]).
+    pub fn batch_step(&mut self) -> BatchStep<'_, 'a, HeadCache> {
+        BatchStep {
+            session: &mut self.session,
+            token: self.input,
+            observer: &mut self.observer,
+            edits: &self.plan.edits,
+        }
+    }
+
+    /// After a step with its `logits` `(1, vocab)`: sample the next token, which the
+    /// next step runs.
+    pub fn advance(&mut self, logits: &Tensor) -> Result<u32> {
+        self.hidden = self.observer.hidden.take();
+        self.steps += 1;
+        let next = self.sampler.sample(logits)?;
+        if self.tokens.is_empty() {
+            self.prefill_secs = self.t0.elapsed().as_secs_f64() + self.shared_secs;
+            self.t1 = Instant::now();
+        }
+        self.tokens.push(next);
+        self.input = next;
+        Ok(next)
+    }
+
+    /// Why the generation is over after the last token: a stop token, or `max_new`
+    /// tokens; `None` while it goes on.
+    pub fn stopped(&self) -> Option<StopReason> {
+        if self.tokens.last().is_some_and(|t| self.stop.contains(t)) {
+            Some(StopReason::Stop)
+        } else if self.tokens.len() >= self.max_new {
+            Some(StopReason::Length)
+        } else {
+            None
+        }
+    }
+
+    /// Resident KV bytes now.
+    pub fn kv_bytes(&self) -> KvBytes {
+        self.session.cache().bytes()
+    }
+
+    /// Tokens generated so far.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    /// The generation, ended for `stop`, and what it cost.
+    pub fn finish(self, stop: StopReason) -> PolicyGeneration {
+        let cache = self.session.cache();
+        let kv = KvStats {
+            end: cache.bytes(),
+            peak: cache.peak_bytes(),
+            prefill_peak: self.prefill_peak,
+            mean_active_kv_heads: self
+                .plan
+                .dynamic
+                .as_ref()
+                .map(|_| self.active_sum as f64 / self.steps.max(1) as f64),
+        };
+        PolicyGeneration {
+            generation: Generation {
+                tokens: self.tokens,
+                stop,
+                prompt_tokens: self.prompt_tokens,
+                prefill_secs: self.prefill_secs,
+                decode_secs: self.t1.elapsed().as_secs_f64(),
+            },
+            kv,
+        }
+    }
 }

@@ -14,7 +14,8 @@
 //!   JSON;
 //! - [`ablation`]: head sets, ablation modes and the mean-ablation calibration;
 //! - [`generate()`]: generation under a plan, with its KV statistics;
-//! - [`runtime`]: the library API, [`Runtime`].
+//! - [`runtime`]: the library API, [`Runtime`];
+//! - [`scheduler`]: continuous batching of many generations, [`Scheduler`].
 
 pub mod ablation;
 pub mod atlas;
@@ -25,13 +26,17 @@ pub mod plan;
 pub mod presses;
 pub mod ranking;
 pub mod runtime;
+pub mod scheduler;
 pub mod select;
 
 pub use config::Policy;
-pub use generate::{generate, prefill_need, KvStats, PolicyGeneration, PrefillNeed, Prefilled};
+pub use generate::{
+    generate, prefill_need, Decoding, KvStats, PolicyGeneration, PrefillNeed, Prefilled,
+};
 pub use plan::{Dynamic, DynamicSource, Plan, Prefill};
 pub use presses::{PolicyConfig, Press};
 pub use runtime::{
     GenerateOutput, GenerateRequest, GenerationStats, Prompt, Runtime, RuntimeBuilder, Step,
 };
+pub use scheduler::{Load, Scheduler, SchedulerConfig, Sink};
 pub use select::{Gqa, HeadChoice, Selection};

@@ -30,7 +30,7 @@ use crate::model::{
     GenerateOptions, KvBytes, LoadedModel, ModelId, Numerics, Sampling, StopReason, TextStream,
 };
 use crate::policy::config::Policy;
-use crate::policy::generate::{generate, KvStats};
+use crate::policy::generate::{generate, KvStats, PolicyGeneration};
 use crate::policy::plan::Plan;
 use crate::{Error, Result};
 
@@ -246,19 +246,8 @@ impl Runtime {
         on_step: &mut dyn FnMut(&Step) -> bool,
     ) -> Result<GenerateOutput> {
         let ids = self.encode(&request.prompt)?;
-        let stop = &self.lm.special.stop;
-        let opts = GenerateOptions {
-            max_new: request.max_tokens,
-            sampling: request.sampling,
-            context_len: None,
-            stop: if request.ignore_eos {
-                Vec::new()
-            } else {
-                stop.clone()
-            },
-        };
-        let mut stream = TextStream::default();
-        let mut text = String::new();
+        let opts = self.options(request);
+        let mut text = TextOut::default();
         let mut failure = None;
         let out = generate(
             &self.lm.model,
@@ -267,31 +256,41 @@ impl Runtime {
             &opts,
             None,
             None,
-            &mut |token, logits, kv| {
-                let piece = if stop.contains(&token) {
-                    None
-                } else {
-                    match stream.push(&self.lm.tokenizer, token) {
-                        Ok(piece) => piece,
-                        Err(e) => {
-                            failure = Some(e);
-                            return false;
-                        }
-                    }
-                };
-                let piece = piece.unwrap_or_default();
-                text.push_str(&piece);
-                on_step(&Step {
+            &mut |token, logits, kv| match text.push(self, token) {
+                Ok(piece) => on_step(&Step {
                     token,
-                    text: &piece,
+                    text: piece,
                     logits,
                     kv,
-                })
+                }),
+                Err(e) => {
+                    failure = Some(e);
+                    false
+                }
             },
         )?;
         if let Some(e) = failure {
             return Err(e);
         }
+        Ok(self.output(out, text.text))
+    }
+
+    /// The options a request generates with.
+    pub(crate) fn options(&self, request: &GenerateRequest) -> GenerateOptions {
+        GenerateOptions {
+            max_new: request.max_tokens,
+            sampling: request.sampling,
+            context_len: None,
+            stop: if request.ignore_eos {
+                Vec::new()
+            } else {
+                self.lm.special.stop.clone()
+            },
+        }
+    }
+
+    /// The finished generation `out` with its `text`.
+    pub(crate) fn output(&self, out: PolicyGeneration, text: String) -> GenerateOutput {
         let g = &out.generation;
         let stats = GenerationStats {
             policy: self.plan.name.clone(),
@@ -307,11 +306,36 @@ impl Runtime {
             }
             .into(),
         };
-        Ok(GenerateOutput {
+        GenerateOutput {
             text,
-            tokens: g.tokens.clone(),
+            tokens: out.generation.tokens,
             stats,
-        })
+        }
+    }
+}
+
+/// A generation's text as its tokens arrive: stop tokens left out, multi-byte
+/// characters released once whole.
+#[derive(Debug, Default)]
+pub(crate) struct TextOut {
+    stream: TextStream,
+    piece: String,
+    /// Everything released so far.
+    pub(crate) text: String,
+}
+
+impl TextOut {
+    /// Add `token`; the text it releases (empty for a stop token or an incomplete
+    /// character).
+    pub(crate) fn push(&mut self, rt: &Runtime, token: u32) -> Result<&str> {
+        self.piece.clear();
+        if !rt.lm.special.stop.contains(&token) {
+            if let Some(p) = self.stream.push(&rt.lm.tokenizer, token)? {
+                self.piece = p;
+            }
+        }
+        self.text.push_str(&self.piece);
+        Ok(&self.piece)
     }
 }
 

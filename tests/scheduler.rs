@@ -1,0 +1,283 @@
+//! Continuous batching on the real model (SmolLM2): requests under different policies
+//! that join a running batch at different times give the same tokens and text as each
+//! run alone through `Runtime::generate`; a cancelled sequence leaves at once; admission
+//! keeps the reserved KV under the budget; a request that can never fit is refused with
+//! its numbers.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::time::Duration;
+
+use headwise::policy::{
+    GenerateOutput, GenerateRequest, Policy, Prompt, Runtime, Scheduler, SchedulerConfig, Sink,
+    Step,
+};
+
+/// Generous bound on any one wait (the real model on two cores).
+const WAIT: Duration = Duration::from_secs(600);
+
+enum Msg {
+    Admitted,
+    Token,
+    Done(usize, Result<GenerateOutput, String>),
+}
+
+/// Sends what happens to request `id` to the test; stops after `stop_after` tokens.
+struct Probe {
+    id: usize,
+    tx: Sender<Msg>,
+    tokens: usize,
+    stop_after: Option<usize>,
+}
+
+impl Sink for Probe {
+    fn admitted(&mut self) {
+        let _ = self.tx.send(Msg::Admitted);
+    }
+
+    fn token(&mut self, _step: &Step) -> bool {
+        self.tokens += 1;
+        let _ = self.tx.send(Msg::Token);
+        self.stop_after != Some(self.tokens)
+    }
+
+    fn done(self: Box<Self>, result: headwise::Result<GenerateOutput>) {
+        let _ = self
+            .tx
+            .send(Msg::Done(self.id, result.map_err(|e| e.to_string())));
+    }
+}
+
+fn runtimes() -> BTreeMap<String, Runtime> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let full = Runtime::builder()
+        .model(common::real_model())
+        .base_dir(root)
+        .build()
+        .unwrap();
+    let mut all = BTreeMap::new();
+    for name in ["static-locos", "streaming", "retrieval-snapkv-q8"] {
+        let path = root.join("policies").join(format!("{name}.toml"));
+        let policy = Policy::load(&path, &[]).unwrap();
+        all.insert(name.to_string(), full.with_policy(&policy, root).unwrap());
+    }
+    all.insert("full".into(), full);
+    all
+}
+
+fn request(i: usize) -> GenerateRequest {
+    let topics = [
+        "the history of the printing press",
+        "how bees make honey",
+        "why the sky is blue",
+        "the rules of chess",
+        "a recipe for bread",
+        "the water cycle",
+        "the planets of the solar system",
+        "how a bicycle works",
+    ];
+    // One long prompt (about 650 tokens), so that its prefill spans several iterations.
+    let text = if i == 5 {
+        format!("{}\nSummarise the notes above.", "Notes on the water cycle: evaporation, condensation, precipitation and collection repeat. ".repeat(40))
+    } else {
+        // Long enough (about 100 tokens) for SnapKV's observation window.
+        format!(
+            "{}Write two sentences about {}.",
+            "You are a careful writer who answers plainly. ".repeat(10),
+            topics[i]
+        )
+    };
+    let mut r = GenerateRequest::new(Prompt::Text(text), [12, 20, 7, 16, 24, 9, 14, 18][i]);
+    r.ignore_eos = i.is_multiple_of(2);
+    r
+}
+
+fn policy(i: usize) -> &'static str {
+    ["full", "static-locos", "streaming", "retrieval-snapkv-q8"][i % 4]
+}
+
+/// Collect until every id in `ids` is done; returns outputs and the largest number of
+/// requests admitted and not yet done at any time.
+fn collect(
+    rx: &Receiver<Msg>,
+    n: usize,
+) -> (BTreeMap<usize, Result<GenerateOutput, String>>, usize) {
+    let (mut done, mut live, mut most) = (BTreeMap::new(), 0usize, 0usize);
+    while done.len() < n {
+        match rx.recv_timeout(WAIT).expect("the scheduler stalled") {
+            Msg::Admitted => {
+                live += 1;
+                most = most.max(live);
+            }
+            Msg::Token => {}
+            Msg::Done(id, out) => {
+                live = live.saturating_sub(1);
+                done.insert(id, out);
+            }
+        }
+    }
+    (done, most)
+}
+
+#[test]
+fn batched_generations_equal_each_alone_and_leave_when_cancelled() {
+    let runtimes = runtimes();
+    let alone: Vec<GenerateOutput> = (0..8)
+        .map(|i| {
+            runtimes[policy(i)]
+                .generate(&request(i), &mut |_| true)
+                .unwrap()
+        })
+        .collect();
+    let scheduler = Scheduler::new(
+        runtimes.clone(),
+        SchedulerConfig {
+            max_batch: 8,
+            kv_budget: None,
+            prefill_tokens: 256,
+        },
+    )
+    .unwrap();
+    let (tx, rx) = channel();
+    let sink = |id: usize, stop_after: Option<usize>| -> Box<dyn Sink> {
+        Box::new(Probe {
+            id,
+            tx: tx.clone(),
+            tokens: 0,
+            stop_after,
+        })
+    };
+    // Four now; the other four once the first tokens are out, so that they join a
+    // running batch; request 8 (a copy of 0) is cancelled after three tokens.
+    for i in 0..4 {
+        scheduler
+            .submit(policy(i), &request(i), sink(i, None))
+            .unwrap();
+    }
+    let mut early = Vec::new();
+    loop {
+        let msg = rx.recv_timeout(WAIT).expect("no first token");
+        let first = matches!(msg, Msg::Token);
+        early.push(msg);
+        if first {
+            break;
+        }
+    }
+    for i in 4..8 {
+        scheduler
+            .submit(policy(i), &request(i), sink(i, None))
+            .unwrap();
+    }
+    scheduler
+        .submit(policy(0), &request(0), sink(8, Some(3)))
+        .unwrap();
+    let (tx2, rx2) = channel();
+    for m in early {
+        tx2.send(m).unwrap();
+    }
+    std::thread::spawn(move || {
+        while let Ok(m) = rx.recv() {
+            if tx2.send(m).is_err() {
+                break;
+            }
+        }
+    });
+    let (done, most) = collect(&rx2, 9);
+    assert!(most >= 5, "at most {most} requests ran together");
+    for (i, want) in alone.iter().enumerate() {
+        let got = done[&i].as_ref().unwrap();
+        assert_eq!(got.tokens, want.tokens, "request {i} ({})", policy(i));
+        assert_eq!(got.text, want.text, "request {i}");
+        assert_eq!(got.stats.finish, want.stats.finish, "request {i}");
+        assert_eq!(got.stats.kv.end, want.stats.kv.end, "request {i}");
+    }
+    let cancelled = done[&8].as_ref().unwrap();
+    assert_eq!(
+        cancelled.stats.finish, "cancelled",
+        "{:?}",
+        cancelled.tokens
+    );
+    assert_eq!(cancelled.tokens, alone[0].tokens[..3]);
+    let load = scheduler.load();
+    let settled = || {
+        load.running.load(std::sync::atomic::Ordering::Relaxed) == 0
+            && load
+                .reserved_bytes
+                .load(std::sync::atomic::Ordering::Relaxed)
+                == 0
+    };
+    let t0 = std::time::Instant::now();
+    while !settled() && t0.elapsed() < WAIT {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(
+        settled(),
+        "the finished sequences still hold their reservation"
+    );
+    let steps = load.steps.load(std::sync::atomic::Ordering::Relaxed);
+    let rows = load.rows.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(
+        rows as f64 / steps as f64 > 1.5,
+        "mean batch {rows} / {steps}"
+    );
+}
+
+#[test]
+fn admission_keeps_the_reserved_kv_under_the_budget() {
+    let runtimes = runtimes();
+    // A prompt longer than static-locos's rings, so that its reservation is smaller.
+    let text = format!(
+        "{}Count from one to ten.",
+        "Numbers are words too. ".repeat(80)
+    );
+    let req = GenerateRequest::new(Prompt::Text(text), 8);
+    let probe = Scheduler::new(runtimes.clone(), SchedulerConfig::default()).unwrap();
+    let prompt = runtimes["full"].encode(&req.prompt).unwrap().len();
+    let full = probe.reservation("full", prompt, 8).unwrap();
+    let locos = probe.reservation("static-locos", prompt, 8).unwrap();
+    assert!(locos < full, "static-locos reserves {locos}, full {full}");
+    drop(probe);
+    // Room for two full sequences: never more than two run at once, all finish.
+    let budget = 2 * full + 1;
+    let scheduler = Scheduler::new(
+        runtimes,
+        SchedulerConfig {
+            max_batch: 16,
+            kv_budget: Some(budget),
+            prefill_tokens: 256,
+        },
+    )
+    .unwrap();
+    let (tx, rx) = channel();
+    for id in 0..5 {
+        let sink = Box::new(Probe {
+            id,
+            tx: tx.clone(),
+            tokens: 0,
+            stop_after: None,
+        });
+        scheduler.submit("full", &req, sink).unwrap();
+    }
+    let (done, most) = collect(&rx, 5);
+    assert_eq!(most, 2, "{most} full sequences ran in a budget for two");
+    assert!(done.values().all(|d| d.as_ref().unwrap().tokens.len() == 8));
+    // A request that alone needs more than the whole budget is refused with its numbers.
+    let long = GenerateRequest::new(Prompt::Text("word ".repeat(1500)), 64);
+    let sink = Box::new(Probe {
+        id: 9,
+        tx,
+        tokens: 0,
+        stop_after: None,
+    });
+    let err = scheduler
+        .submit("full", &long, sink)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("kv_budget") && err.contains(&budget.to_string()),
+        "{err}"
+    );
+}
