@@ -72,6 +72,10 @@ pub struct BenchArgs {
     /// `bench serve`: concurrent clients, one level each.
     #[arg(long, value_delimiter = ',', default_value = "1,4,16")]
     concurrency: Vec<usize>,
+    /// `bench serve`: the server's batch limits to compare, one server each
+    /// [default: the largest concurrency].
+    #[arg(long, value_delimiter = ',')]
+    max_batch: Vec<usize>,
     /// `bench serve`: policy presets to measure (files policies/<name>.toml).
     #[arg(long, value_delimiter = ',', default_value = "full,static-locos")]
     policies: Vec<String>,
@@ -723,8 +727,8 @@ fn serve(args: &BenchArgs) -> anyhow::Result<()> {
     use headwise::lab::serve_bench::{self as bench, BenchOptions};
     use headwise::serve::{load_engine, ServeConfig};
     use std::collections::BTreeMap;
-    if args.concurrency.contains(&0) || args.requests == 0 {
-        anyhow::bail!("--concurrency and --requests must be at least 1");
+    if args.concurrency.contains(&0) || args.max_batch.contains(&0) || args.requests == 0 {
+        anyhow::bail!("--concurrency, --max-batch and --requests must be at least 1");
     }
     let path = args.model.resolve()?;
     let top = args.concurrency.iter().copied().max().unwrap_or(1);
@@ -734,19 +738,10 @@ fn serve(args: &BenchArgs) -> anyhow::Result<()> {
         .filter(|p| p.as_str() != "full")
         .map(|p| (p.clone(), PathBuf::from(format!("policies/{p}.toml"))))
         .collect();
-    let cfg = ServeConfig {
-        model: Some(path.clone()),
-        policies: Some(policies),
-        max_concurrency: top,
-        max_queue: 0,
-        ..ServeConfig::default()
+    let batches = match args.max_batch.is_empty() {
+        true => vec![top],
+        false => args.max_batch.clone(),
     };
-    let engine = std::sync::Arc::new(load_engine(&cfg)?);
-    // The server loads its model with its own numerics, whatever --numerics says.
-    let (_, runtime) = engine
-        .runtime(None)
-        .map_err(|e| anyhow::anyhow!("{}", e.message))?;
-    let made = Made::now(runtime.model().model.numerics().name());
     let id = ModelId::of_file(&path)?;
     let opts = BenchOptions {
         concurrency: args.concurrency.clone(),
@@ -758,18 +753,37 @@ fn serve(args: &BenchArgs) -> anyhow::Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
-    let rows = rt.block_on(bench::run(engine, &cfg, &opts, &mut |r| {
-        eprintln!(
-            "{} x{}: {} requests in {:.1} s, {:.2} req/s, {:.1} tok/s, TTFT {:.2} s",
-            r.policy,
-            r.concurrency,
-            r.requests,
-            r.wall_secs,
-            r.requests_per_s,
-            r.tokens_per_s,
-            r.mean_ttft_s
-        );
-    }))?;
+    let (mut rows, mut made) = (Vec::new(), None);
+    for max_batch in batches {
+        // Every client gets a place in the batch or the queue.
+        let cfg = ServeConfig {
+            model: Some(path.clone()),
+            policies: Some(policies.clone()),
+            max_concurrency: max_batch,
+            max_queue: top.saturating_sub(max_batch),
+            ..ServeConfig::default()
+        };
+        let engine = std::sync::Arc::new(load_engine(&cfg)?);
+        // The server loads its model with its own numerics, whatever --numerics says.
+        let (_, runtime) = engine
+            .runtime(None)
+            .map_err(|e| anyhow::anyhow!("{}", e.message))?;
+        made.get_or_insert_with(|| Made::now(runtime.model().model.numerics().name()));
+        rows.extend(rt.block_on(bench::run(engine, &cfg, &opts, &mut |r| {
+            eprintln!(
+                "{} max batch {} x{}: {} requests in {:.1} s, {:.2} req/s, {:.1} tok/s, TTFT {:.2} s",
+                r.policy,
+                r.max_batch,
+                r.concurrency,
+                r.requests,
+                r.wall_secs,
+                r.requests_per_s,
+                r.tokens_per_s,
+                r.mean_ttft_s
+            );
+        }))?);
+    }
+    let made = made.ok_or_else(|| anyhow::anyhow!("no server was measured"))?;
     let out = out_dir(args.out.as_ref(), &id, "serve-bench");
     bench::write_report(&out, &id, &rows, &made)?;
     eprintln!("wrote {}", out.display());

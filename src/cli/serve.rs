@@ -19,12 +19,15 @@ pub struct ServeArgs {
     /// Port to bind, 0 for any free one [default: 8080].
     #[arg(long)]
     port: Option<u16>,
-    /// Generations running at once [default: 2].
+    /// Sequences batched at once [default: 2].
     #[arg(long)]
     max_concurrency: Option<usize>,
-    /// Requests waiting for a slot before new ones get 429 [default: 16].
+    /// Requests waiting for a place in the batch before new ones get 429 [default: 16].
     #[arg(long)]
     max_queue: Option<usize>,
+    /// KV memory the batch may reserve, in MiB [default: no limit].
+    #[arg(long)]
+    kv_budget_mib: Option<f64>,
     #[command(flatten)]
     model: ModelArgs,
 }
@@ -35,6 +38,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     cfg.port = args.port.unwrap_or(cfg.port);
     cfg.max_concurrency = args.max_concurrency.unwrap_or(cfg.max_concurrency);
     cfg.max_queue = args.max_queue.unwrap_or(cfg.max_queue);
+    cfg.kv_budget_mib = args.kv_budget_mib.or(cfg.kv_budget_mib);
     cfg.validate()?;
     let model = match &cfg.model {
         Some(path) => args.model.or_model(&path.to_string_lossy()),

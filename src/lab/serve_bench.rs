@@ -37,6 +37,9 @@ pub struct BenchOptions {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct BenchRow {
     pub policy: String,
+    /// The server's batch size limit (`max_concurrency`).
+    #[serde(default)]
+    pub max_batch: usize,
     pub concurrency: usize,
     pub requests: usize,
     pub prompt_tokens: usize,
@@ -100,6 +103,7 @@ pub async fn run(
             let mean = |f: fn(&Sample) -> f64| samples.iter().map(f).sum::<f64>() / n as f64;
             let row = BenchRow {
                 policy: policy.clone(),
+                max_batch: cfg.max_concurrency,
                 concurrency: c,
                 requests: n,
                 prompt_tokens: samples.first().map_or(0, |s| s.prompt_tokens),
@@ -242,7 +246,7 @@ pub fn write_report(
                 selection: None,
                 k: None,
                 seed: None,
-                mode: None,
+                mode: Some(format!("max_batch-{}", r.max_batch)),
                 policy: Some(r.policy.clone()),
                 metric: metric.into(),
                 value,
@@ -255,8 +259,8 @@ pub fn write_report(
         "# Serving throughput: {}\n\nStreamed chat requests against `headwise serve` on loopback; \
          each client sends its requests one after another, rates are totals over the level's wall time.\n\n\
          Command: `{}`\n\nMachine: {}; wall time {wall:.0} s over all levels.\n\n\
-         | policy | clients | requests | prompt tokens | requests/s | tokens/s | mean latency (s) | mean TTFT (s) | mean KV peak (MiB) |\n\
-         |---|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+         | policy | max batch | clients | requests | prompt tokens | requests/s | tokens/s | mean latency (s) | mean TTFT (s) | mean KV peak (MiB) |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
         model.name,
         made.command,
         machine(),
@@ -264,8 +268,9 @@ pub fn write_report(
     );
     for r in rows {
         md.push_str(&format!(
-            "| {} | {} | {} | {} | {:.2} | {:.1} | {:.2} | {:.2} | {:.2} |\n",
+            "| {} | {} | {} | {} | {} | {:.2} | {:.1} | {:.2} | {:.2} | {:.2} |\n",
             r.policy,
+            r.max_batch,
             r.concurrency,
             r.requests,
             r.prompt_tokens,
@@ -278,16 +283,19 @@ pub fn write_report(
     }
     md.push_str("\n![tokens per second against clients](throughput.svg)\n");
     write_experiment(dir, &md, &records, made)?;
-    let mut policies: Vec<&str> = rows.iter().map(|r| r.policy.as_str()).collect();
-    policies.dedup();
-    let series: Vec<Series<f64>> = policies
+    let mut lines: Vec<(&str, usize)> = rows
+        .iter()
+        .map(|r| (r.policy.as_str(), r.max_batch))
+        .collect();
+    lines.dedup();
+    let series: Vec<Series<f64>> = lines
         .iter()
         .enumerate()
-        .map(|(i, p)| Series {
-            name: p.to_string(),
+        .map(|(i, &(p, b))| Series {
+            name: format!("{p}, max batch {b}"),
             points: rows
                 .iter()
-                .filter(|r| r.policy == *p)
+                .filter(|r| (r.policy.as_str(), r.max_batch) == (p, b))
                 .map(|r| (r.concurrency as f64, r.tokens_per_s))
                 .collect(),
             color: Palette99::pick(i).to_rgba(),

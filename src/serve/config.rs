@@ -33,7 +33,7 @@ pub const FULL: &str = "full";
 /// base folder, each skipped with a warning when it does not resolve for the model.
 pub const DEFAULT_PRESETS: [&str; 4] = ["streaming", "static-locos", "static-wu", "dynamic-probe"];
 
-/// Most generation slots a server may run.
+/// Most sequences a server may batch.
 pub const MAX_CONCURRENCY: usize = 1024;
 /// Most requests that may wait for a slot.
 pub const MAX_QUEUE: usize = 1 << 16;
@@ -61,10 +61,17 @@ pub struct ServeConfig {
     pub base_dir: PathBuf,
     /// Bearer tokens accepted; empty: no authentication.
     pub api_keys: Vec<String>,
-    /// Generations running at once.
+    /// Sequences in the batch at once (prefilling or decoding).
     pub max_concurrency: usize,
-    /// Requests waiting for a free slot before new ones get 429.
+    /// Requests waiting for a place in the batch before new ones get 429.
     pub max_queue: usize,
+    /// KV memory the batch may reserve, in MiB: a request is admitted when its policy's
+    /// stores at prompt + `max_tokens` positions fit beside the running ones' [default:
+    /// no limit].
+    pub kv_budget_mib: Option<f64>,
+    /// Prompt tokens prefilled between two decode steps of the batch (whole chunks of
+    /// the model's prefill), so that a long prompt does not stall the running streams.
+    pub prefill_tokens: usize,
     /// Largest request body accepted, in bytes.
     pub max_body_bytes: usize,
     /// Seconds a request may take, queueing included.
@@ -110,6 +117,8 @@ impl Default for ServeConfig {
             api_keys: Vec::new(),
             max_concurrency: 2,
             max_queue: 16,
+            kv_budget_mib: None,
+            prefill_tokens: 256,
             max_body_bytes: 1 << 20,
             request_timeout_secs: 300.0,
             shutdown_grace_secs: 10.0,
@@ -168,6 +177,11 @@ impl ServeConfig {
         Ok(cfg)
     }
 
+    /// [`ServeConfig::kv_budget_mib`] in bytes.
+    pub fn kv_budget_bytes(&self) -> Option<usize> {
+        self.kv_budget_mib.map(|m| (m * 1024.0 * 1024.0) as usize)
+    }
+
     /// The HTTP timeouts of [`crate::http::serve`].
     pub fn timeouts(&self) -> crate::http::Timeouts {
         crate::http::Timeouts {
@@ -182,6 +196,7 @@ impl ServeConfig {
         let sizes = [
             ("max_concurrency", self.max_concurrency, 1, MAX_CONCURRENCY),
             ("max_queue", self.max_queue, 0, MAX_QUEUE),
+            ("prefill_tokens", self.prefill_tokens, 1, MAX_SIZE),
             ("max_body_bytes", self.max_body_bytes, 1, MAX_BODY_BYTES),
             ("max_tokens_limit", self.max_tokens_limit, 1, MAX_SIZE),
             ("default_max_tokens", self.default_max_tokens, 1, MAX_SIZE),
@@ -191,6 +206,14 @@ impl ServeConfig {
                 return Err(Error::invalid(
                     name,
                     format!("{v} (allowed: {min}..={max})"),
+                ));
+            }
+        }
+        if let Some(mib) = self.kv_budget_mib {
+            if !(mib.is_finite() && mib > 0.0 && mib <= (1u64 << 30) as f64) {
+                return Err(Error::invalid(
+                    "kv_budget_mib",
+                    format!("{mib} (must be a positive number of MiB)"),
                 ));
             }
         }
@@ -277,6 +300,24 @@ mod tests {
         assert!(err.contains("colour"), "{err}");
         assert!(ServeConfig::load(Some(&dir.join("missing.toml"))).is_err());
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_kv_budget_must_be_a_positive_number_of_mib() {
+        for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+            let cfg = ServeConfig {
+                kv_budget_mib: Some(bad),
+                ..ServeConfig::default()
+            };
+            let err = cfg.validate().unwrap_err().to_string();
+            assert!(err.contains("kv_budget_mib"), "{err}");
+        }
+        let cfg = ServeConfig {
+            kv_budget_mib: Some(1.5),
+            ..ServeConfig::default()
+        };
+        cfg.validate().unwrap();
+        assert_eq!(cfg.kv_budget_bytes(), Some(1_572_864));
     }
 
     #[test]

@@ -1,11 +1,10 @@
-//! Admission and execution of generations: a bounded queue in front of a fixed number
-//! of generation slots, each generation on its own blocking thread, its output sent to
-//! the request's handler as [`Event`]s. A generation stops early when its client goes
-//! away, its deadline passes or the server shuts down; its KV cache is freed when it
-//! returns, and the metrics follow it step by step.
-//!
-//! Sequences are not batched: each runs its own single-sequence decode, and at most
-//! `max_concurrency` run at once, sharing the CPU cores.
+//! Admission and execution of generations: a bounded count of requests in flight in
+//! front of the continuous-batching [`Scheduler`] (at most `max_concurrency` sequences
+//! in its batch, admitted by their KV reservation under `kv_budget_mib`), each
+//! generation's output sent to the request's handler as [`Event`]s. A generation stops
+//! at the next step when its client goes away, its deadline passes or the server shuts
+//! down; its KV cache is freed as it leaves the batch, and the metrics follow it step by
+//! step. RAG requests run their own loop on a blocking thread, outside the batch.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -15,9 +14,11 @@ use std::time::{Duration, Instant};
 use axum::http::StatusCode;
 use prometheus_client::metrics::gauge::Gauge;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
-use tokio::sync::Semaphore;
+use tokio::sync::{oneshot, OwnedSemaphorePermit, Semaphore};
 
-use crate::policy::{GenerateRequest, Runtime, Step};
+use crate::policy::{
+    GenerateOutput, GenerateRequest, Runtime, Scheduler, SchedulerConfig, Sink, Step,
+};
 use crate::rag::dragin::{
     answer, AnswerOptions, ContextMode, Instrumented, OnRetrieverError, QueryConfig, RagConfig,
 };
@@ -81,19 +82,18 @@ pub struct Engine {
     model_name: String,
     runtimes: BTreeMap<String, Runtime>,
     default_policy: String,
-    /// Slots plus queue places: a request that gets none is refused with 429.
+    /// Batch places plus queue places: a request that gets none is refused with 429.
     admission: Arc<Semaphore>,
-    /// Generation slots.
-    slots: Arc<Semaphore>,
+    scheduler: Scheduler,
     timeout: Duration,
     /// Limits on `max_tokens`.
     pub max_tokens_limit: usize,
     pub default_max_tokens: usize,
     metrics: Arc<Metrics>,
     draining: AtomicBool,
-    abort: AtomicBool,
+    abort: Arc<AtomicBool>,
     next_id: AtomicU64,
-    /// Slots plus queue places.
+    /// Batch places plus queue places.
     capacity: usize,
     rag: Option<RagService>,
 }
@@ -116,18 +116,45 @@ impl Engine {
                 ),
             ));
         }
+        let scheduler = Scheduler::new(
+            runtimes.clone(),
+            SchedulerConfig {
+                max_batch: cfg.max_concurrency,
+                kv_budget: cfg.kv_budget_bytes(),
+                prefill_tokens: cfg.prefill_tokens,
+            },
+        )?;
+        if let Some(budget) = cfg.kv_budget_bytes() {
+            // The smallest request of the default policy: a one-token prompt and the
+            // default `max_tokens`.
+            let need = scheduler.reservation(&cfg.default_policy, 1, cfg.default_max_tokens)?;
+            if need > budget {
+                return Err(crate::Error::invalid(
+                    "kv_budget_mib",
+                    format!(
+                        "{budget} bytes is less than one request needs ({need} bytes under \
+                         `{}` for a one-token prompt and {} new tokens)",
+                        cfg.default_policy, cfg.default_max_tokens
+                    ),
+                ));
+            }
+        }
+        let metrics = Arc::new(Metrics::default());
+        metrics
+            .kv_budget_bytes
+            .set(cfg.kv_budget_bytes().unwrap_or(0) as i64);
         Ok(Self {
             model_name,
             runtimes,
             default_policy: cfg.default_policy.clone(),
             admission: Arc::new(Semaphore::new(cfg.max_concurrency + cfg.max_queue)),
-            slots: Arc::new(Semaphore::new(cfg.max_concurrency)),
+            scheduler,
             timeout: Duration::from_secs_f64(cfg.request_timeout_secs),
             max_tokens_limit: cfg.max_tokens_limit,
             default_max_tokens: cfg.default_max_tokens.min(cfg.max_tokens_limit),
-            metrics: Arc::new(Metrics::default()),
+            metrics,
             draining: AtomicBool::new(false),
-            abort: AtomicBool::new(false),
+            abort: Arc::new(AtomicBool::new(false)),
             next_id: AtomicU64::new(1),
             capacity: cfg.max_concurrency + cfg.max_queue,
             rag: None,
@@ -169,9 +196,17 @@ impl Engine {
         self.runtimes.keys().map(String::as_str)
     }
 
-    /// The metrics.
+    /// The metrics, the scheduler's gauges brought up to date.
     pub fn metrics(&self) -> &Metrics {
-        &self.metrics
+        let load = self.scheduler.load();
+        let get = |a: &std::sync::atomic::AtomicUsize| a.load(Ordering::Relaxed) as i64;
+        let m = &self.metrics;
+        m.kv_reserved_bytes.set(get(&load.reserved_bytes));
+        m.kv_used_bytes.set(get(&load.used_bytes));
+        m.batch_size.set(get(&load.running));
+        m.batch_steps.set(load.steps.load(Ordering::Relaxed) as i64);
+        m.batch_rows.set(load.rows.load(Ordering::Relaxed) as i64);
+        m
     }
 
     /// A fresh response id with `prefix`.
@@ -218,9 +253,10 @@ impl Engine {
         self.capacity - self.admission.available_permits()
     }
 
-    /// Admit `job` and start it when a slot is free: 429 when the queue is full, 503
-    /// while shutting down, 504 when the deadline passes in the queue. The receiver
-    /// gets the generation's events; dropping it cancels the generation.
+    /// Admit `job` and queue it for the batch: 429 when the queue is full, 503 while
+    /// shutting down, 504 when the deadline passes before it enters the batch, 400 for a
+    /// request that alone needs more KV than the budget. Returns once it is in the batch;
+    /// the receiver gets the generation's events, and dropping it cancels the generation.
     pub async fn submit(self: &Arc<Self>, job: Job) -> Result<UnboundedReceiver<Event>, ApiError> {
         let start = Instant::now();
         let deadline = start + self.timeout;
@@ -237,89 +273,101 @@ impl Engine {
                 )
                 .with_code("queue_full")
             })?;
-        let slot = {
-            let _queued = GaugeGuard::inc(&self.metrics.queue_depth);
-            tokio::time::timeout_at(deadline.into(), Arc::clone(&self.slots).acquire_owned()).await
-        };
-        let slot = match slot {
-            Ok(Ok(slot)) => slot,
-            Ok(Err(_)) => return Err(shutting_down()),
-            Err(_) => {
-                self.metrics.cancel("timeout");
-                return Err(timed_out());
-            }
-        };
-        if self.draining() {
-            return Err(shutting_down());
-        }
-        let queue_secs = start.elapsed().as_secs_f64();
-        let (tx, rx) = unbounded_channel();
-        let engine = Arc::clone(self);
-        tokio::task::spawn_blocking(move || {
-            let last = engine.run(job, deadline, queue_secs, &tx);
-            // Free the slot before the client hears of the end, so that it can send
-            // its next request at once.
-            drop((slot, admitted));
-            if let Some(event) = last {
+        let (tx, mut rx) = unbounded_channel();
+        if let Some((trigger, question)) = job.rag.clone() {
+            let engine = Arc::clone(self);
+            tokio::task::spawn_blocking(move || {
+                let event = match engine.runtime(Some(&job.policy)) {
+                    Ok((_, rt)) => {
+                        let _active = GaugeGuard::inc(&engine.metrics.active_sequences);
+                        engine.run_rag(rt, &job, &trigger, &question, 0.0)
+                    }
+                    Err(e) => Event::Failed(e),
+                };
+                drop(admitted);
                 let _ = tx.send(event);
-            }
-        });
-        Ok(rx)
+            });
+            return Ok(rx);
+        }
+        let (entered, in_batch) = oneshot::channel();
+        self.metrics.queue_depth.inc();
+        let sink = Generation {
+            policy: job.policy.clone(),
+            tx,
+            entered: Some(entered),
+            permit: Some(admitted),
+            metrics: Arc::clone(&self.metrics),
+            kv: KvTracker::new(self.metrics.kv(&job.policy)),
+            matcher: StopMatcher::new(job.stops),
+            top_logprobs: job.top_logprobs,
+            logprobs: Vec::new(),
+            lm: self.runtime(Some(&job.policy))?.1.clone(),
+            abort: Arc::clone(&self.abort),
+            deadline,
+            start,
+            queue_secs: None,
+            cut: None,
+        };
+        if let Err(e) = self
+            .scheduler
+            .submit(&job.policy, &job.request, Box::new(sink))
+        {
+            // The sink was dropped unqueued: it counted itself out of the queue.
+            return Err(e.into());
+        }
+        match tokio::time::timeout_at(deadline.into(), in_batch).await {
+            Ok(Ok(())) => Ok(rx),
+            // Failed before it entered the batch: its one event says why.
+            Ok(Err(_)) => Err(match rx.try_recv() {
+                Ok(Event::Failed(e)) => e,
+                _ => shutting_down(),
+            }),
+            // Still queued: the scheduler drops it (its deadline has passed).
+            Err(_) => Err(timed_out()),
+        }
+    }
+}
+
+/// One generation in the batch: its events to the request's handler, its metrics.
+struct Generation {
+    policy: String,
+    tx: UnboundedSender<Event>,
+    /// Told when the request enters the batch.
+    entered: Option<oneshot::Sender<()>>,
+    /// Its place among the requests in flight, released before the end is sent.
+    permit: Option<OwnedSemaphorePermit>,
+    metrics: Arc<Metrics>,
+    kv: KvTracker,
+    matcher: StopMatcher,
+    top_logprobs: Option<usize>,
+    logprobs: Vec<TokenLogprob>,
+    /// The runtime, for the tokenizer of log-probabilities.
+    lm: Runtime,
+    abort: Arc<AtomicBool>,
+    deadline: Instant,
+    start: Instant,
+    /// Seconds from arrival to the batch, once there.
+    queue_secs: Option<f64>,
+    /// Why it was cut short.
+    cut: Option<&'static str>,
+}
+
+impl Generation {
+    /// Why the generation must stop now, if it must.
+    fn reason(&self) -> Option<&'static str> {
+        if self.tx.is_closed() {
+            Some("disconnect")
+        } else if self.abort.load(Ordering::SeqCst) {
+            Some("shutdown")
+        } else if Instant::now() >= self.deadline {
+            Some("timeout")
+        } else {
+            None
+        }
     }
 
-    /// Run `job` on this thread, sending its text events to `tx`; returns the final
-    /// event (none when the client has gone).
-    fn run(
-        &self,
-        job: Job,
-        deadline: Instant,
-        queue_secs: f64,
-        tx: &UnboundedSender<Event>,
-    ) -> Option<Event> {
-        let rt = match self.runtime(Some(&job.policy)) {
-            Ok((_, rt)) => rt,
-            Err(e) => return Some(Event::Failed(e)),
-        };
-        let _active = GaugeGuard::inc(&self.metrics.active_sequences);
-        if let Some((trigger, question)) = &job.rag {
-            return Some(self.run_rag(rt, &job, trigger, question, queue_secs));
-        }
-        let mut kv = KvTracker::new(self.metrics.kv(&job.policy));
-        let mut matcher = StopMatcher::new(job.stops);
-        let mut logprobs = Vec::new();
-        let mut cut = None;
-        let result = rt.generate(&job.request, &mut |step| {
-            kv.set(step.kv.total());
-            if let Some(n) = job.top_logprobs {
-                match token_logprob(rt, step, n) {
-                    Ok(lp) => logprobs.push(lp),
-                    Err(_) => return false,
-                }
-            }
-            let text = matcher.push(step.text);
-            if !text.is_empty() {
-                let event = Event::Text {
-                    text,
-                    logprobs: std::mem::take(&mut logprobs),
-                };
-                if tx.send(event).is_err() {
-                    cut = Some("disconnect");
-                    return false;
-                }
-            }
-            cut = if tx.is_closed() {
-                Some("disconnect")
-            } else if self.abort.load(Ordering::SeqCst) {
-                Some("shutdown")
-            } else if Instant::now() >= deadline {
-                Some("timeout")
-            } else {
-                None
-            };
-            cut.is_none() && !matcher.stopped()
-        });
-        // The generation's cache is gone once `generate` has returned.
-        kv.set(0);
+    /// The final event for `result`; none when the client has gone.
+    fn last_event(&mut self, result: crate::Result<GenerateOutput>) -> Option<Event> {
         let out = match result {
             Ok(out) => out,
             Err(e) => return Some(Event::Failed(e.into())),
@@ -330,6 +378,14 @@ impl Engine {
         self.metrics
             .completion_tokens
             .inc_by(out.stats.generated_tokens as u64);
+        // Cut short by the client, the deadline or the shutdown; a stop string also ends
+        // the generation early, but is a normal end.
+        let cut = match out.stats.finish == "cancelled" {
+            true => self.cut.or_else(|| {
+                (!self.matcher.stopped()).then(|| self.reason().unwrap_or("disconnect"))
+            }),
+            false => None,
+        };
         if let Some(reason) = cut {
             self.metrics.cancel(reason);
             return match reason {
@@ -338,9 +394,10 @@ impl Engine {
                 _ => None,
             };
         }
-        let rest = matcher.finish();
+        let rest = self.matcher.finish();
+        let logprobs = std::mem::take(&mut self.logprobs);
         if !rest.is_empty() || !logprobs.is_empty() {
-            let _ = tx.send(Event::Text {
+            let _ = self.tx.send(Event::Text {
                 text: rest,
                 logprobs,
             });
@@ -351,18 +408,18 @@ impl Engine {
             completion_tokens: s.generated_tokens,
             total_tokens: s.prompt_tokens + s.generated_tokens,
             headwise: HeadwiseUsage {
-                policy: job.policy.clone(),
+                policy: self.policy.clone(),
                 kv_bytes: s.kv.end.hot,
                 kv_cold_bytes: s.kv.end.cold,
                 kv_peak_bytes: s.kv.peak.total(),
                 kv_prefill_peak_bytes: s.kv.prefill_peak,
                 prefill_tok_s: s.prefill_tok_s,
                 decode_tok_s: s.decode_tok_s,
-                queue_secs,
+                queue_secs: self.queue_secs.unwrap_or(0.0),
                 retrievals: None,
             },
         };
-        let finish = if matcher.stopped() || s.finish == "stop" {
+        let finish = if self.matcher.stopped() || s.finish == "stop" {
             "stop"
         } else {
             "length"
@@ -372,6 +429,80 @@ impl Engine {
             usage,
             text: None,
         })
+    }
+}
+
+impl Sink for Generation {
+    fn admitted(&mut self) {
+        self.metrics.queue_depth.dec();
+        self.metrics.active_sequences.inc();
+        self.queue_secs = Some(self.start.elapsed().as_secs_f64());
+        if let Some(entered) = self.entered.take() {
+            let _ = entered.send(());
+        }
+    }
+
+    fn token(&mut self, step: &Step) -> bool {
+        self.kv.set(step.kv.total());
+        if let Some(n) = self.top_logprobs {
+            match token_logprob(&self.lm, step, n) {
+                Ok(lp) => self.logprobs.push(lp),
+                Err(_) => return false,
+            }
+        }
+        let text = self.matcher.push(step.text);
+        if !text.is_empty() {
+            let event = Event::Text {
+                text,
+                logprobs: std::mem::take(&mut self.logprobs),
+            };
+            if self.tx.send(event).is_err() {
+                self.cut = Some("disconnect");
+                return false;
+            }
+        }
+        self.cut = self.reason();
+        self.cut.is_none() && !self.matcher.stopped()
+    }
+
+    fn done(mut self: Box<Self>, result: crate::Result<GenerateOutput>) {
+        // The generation's cache is gone once it has left the batch.
+        self.kv.set(0);
+        let event = match self.entered.is_some() {
+            // Never entered the batch: the submitter hears of it through `entered`.
+            true => {
+                if let Some(reason) = self.reason() {
+                    self.metrics.cancel(reason);
+                }
+                match result {
+                    Err(e) => Some(Event::Failed(e.into())),
+                    Ok(_) => None,
+                }
+            }
+            false => {
+                self.metrics.active_sequences.dec();
+                self.last_event(result)
+            }
+        };
+        // Free the place before the client hears of the end, so that it can send its
+        // next request at once.
+        self.permit.take();
+        if let Some(event) = event {
+            let _ = self.tx.send(event);
+        }
+    }
+
+    fn cancelled(&self) -> bool {
+        self.reason().is_some()
+    }
+}
+
+impl Drop for Generation {
+    fn drop(&mut self) {
+        if self.entered.is_some() {
+            // Left the queue without entering the batch.
+            self.metrics.queue_depth.dec();
+        }
     }
 }
 

@@ -33,7 +33,7 @@ pub struct Metrics {
     pub requests: Family<RequestLabels, Counter>,
     pub prompt_tokens: Counter,
     pub completion_tokens: Counter,
-    /// Admitted requests waiting for a generation slot.
+    /// Admitted requests waiting for a place in the batch.
     pub queue_depth: Gauge,
     /// Generations running.
     pub active_sequences: Gauge,
@@ -42,6 +42,15 @@ pub struct Metrics {
     pub cancelled: Family<ReasonLabel, Counter>,
     /// Passages retrievals of RAG requests.
     pub retrievals: Counter,
+    /// The scheduler's KV budget (0: none), the bytes its sequences reserved, the
+    /// bytes their caches hold, and the sequences in the batch.
+    pub kv_budget_bytes: Gauge,
+    pub kv_reserved_bytes: Gauge,
+    pub kv_used_bytes: Gauge,
+    pub batch_size: Gauge,
+    /// Batched decode steps, and the rows they ran (mean batch = rows / steps).
+    pub batch_steps: Gauge,
+    pub batch_rows: Gauge,
 }
 
 impl Default for Metrics {
@@ -55,6 +64,35 @@ impl Default for Metrics {
         let kv_resident_bytes = Family::<PolicyLabel, Gauge>::default();
         let cancelled = Family::<ReasonLabel, Counter>::default();
         let retrievals = Counter::default();
+        let gauges: [Gauge; 6] = Default::default();
+        for (name, help, g) in [
+            (
+                "kv_budget_bytes",
+                "KV bytes the scheduler may reserve (0: no budget)",
+                &gauges[0],
+            ),
+            (
+                "kv_reserved_bytes",
+                "KV bytes reserved by admitted sequences",
+                &gauges[1],
+            ),
+            (
+                "kv_used_bytes",
+                "KV bytes the admitted sequences' caches hold",
+                &gauges[2],
+            ),
+            ("batch_size", "Sequences admitted to the batch", &gauges[3]),
+            ("batch_steps", "Batched decode steps run", &gauges[4]),
+            (
+                "batch_rows",
+                "Sequence steps run in batched decode steps",
+                &gauges[5],
+            ),
+        ] {
+            registry.register(name, help, g.clone());
+        }
+        let [kv_budget_bytes, kv_reserved_bytes, kv_used_bytes, batch_size, batch_steps, batch_rows] =
+            gauges;
         registry.register(
             "requests",
             "HTTP requests by endpoint and status",
@@ -72,7 +110,7 @@ impl Default for Metrics {
         );
         registry.register(
             "queue_depth",
-            "Requests waiting for a generation slot",
+            "Requests waiting for a place in the batch",
             queue_depth.clone(),
         );
         registry.register(
@@ -105,6 +143,12 @@ impl Default for Metrics {
             active_sequences,
             kv_resident_bytes,
             cancelled,
+            kv_budget_bytes,
+            kv_reserved_bytes,
+            kv_used_bytes,
+            batch_size,
+            batch_steps,
+            batch_rows,
         }
     }
 }

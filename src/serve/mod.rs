@@ -3,8 +3,9 @@
 //!
 //! A request picks one of the allowed policy presets with `"headwise": {"policy": ...}`;
 //! all presets share one copy of the weights. Requests wait in a bounded queue for one
-//! of `max_concurrency` generation slots ([`engine`]); the response's `usage.headwise`
-//! says what the request held in KV memory.
+//! of `max_concurrency` places in the continuously batched decode ([`engine`],
+//! [`crate::policy::Scheduler`]); the response's `usage.headwise` says what the request
+//! held in KV memory.
 //!
 //! ```no_run
 //! # async fn run() -> headwise::Result<()> {
