@@ -212,6 +212,23 @@ fn serve_concurrency_and_seconds_beyond_their_range_are_refused_by_name() {
 }
 
 #[test]
+fn a_kv_budget_below_one_request_is_refused_at_start_with_its_numbers() {
+    // Both refusals come before the server binds (the second after the model loads).
+    let (code, err) = headwise(&["serve", "--kv-budget-mib=-3"]);
+    assert_one_line_error(
+        code,
+        &err,
+        "kv_budget_mib: -3 (must be a positive number of MiB)",
+    );
+    let (code, err) = headwise(&["serve", "--kv-budget-mib", "0.01", "--port", "0"]);
+    assert_one_line_error(
+        code,
+        &err,
+        "kv_budget_mib: 10485 bytes is less than one request needs",
+    );
+}
+
+#[test]
 fn a_config_error_names_the_users_file_and_key_not_a_source_location() {
     let cfg = tmp("typed.toml");
     std::fs::write(&cfg, "max_queue = \"many\"\n").unwrap();

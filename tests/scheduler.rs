@@ -138,6 +138,7 @@ fn batched_generations_equal_each_alone_and_leave_when_cancelled() {
             max_batch: 8,
             kv_budget: None,
             prefill_tokens: 256,
+            prefix_cache_bytes: 0,
         },
     )
     .unwrap();
@@ -248,6 +249,7 @@ fn admission_keeps_the_reserved_kv_under_the_budget() {
             max_batch: 16,
             kv_budget: Some(budget),
             prefill_tokens: 256,
+            prefix_cache_bytes: 0,
         },
     )
     .unwrap();
@@ -280,4 +282,76 @@ fn admission_keeps_the_reserved_kv_under_the_budget() {
         err.contains("kv_budget") && err.contains(&budget.to_string()),
         "{err}"
     );
+}
+
+#[test]
+fn a_shared_prefix_is_prefilled_once_and_continued_to_the_same_tokens() {
+    let runtimes = runtimes();
+    let doc = "Field notes: the heron waits at the river bank at dawn, the otter fishes \
+               under the bridge, and the kingfisher nests in the clay wall. "
+        .repeat(18);
+    let ask = |q: &str, policy: &str| {
+        let mut r =
+            GenerateRequest::new(Prompt::Text(format!("{doc}\nQuestion: {q}\nAnswer:")), 10);
+        r.ignore_eos = true;
+        (policy.to_string(), r)
+    };
+    let requests = [
+        ask("Where does the heron wait?", "full"),
+        ask("What does the otter do?", "full"),
+        ask("Where does the kingfisher nest?", "full"),
+        ask("Where does the heron wait?", "static-locos"),
+        ask("What does the otter do?", "static-locos"),
+    ];
+    let chunk = runtimes["full"].model().model.chunk();
+    let prompt_len = runtimes["full"]
+        .encode(&requests[0].1.prompt)
+        .unwrap()
+        .len();
+    let shared = (prompt_len - 1) / chunk * chunk;
+    assert!(
+        shared >= chunk,
+        "the document ({prompt_len} tokens) spans no whole chunk"
+    );
+    let alone: Vec<GenerateOutput> = requests
+        .iter()
+        .map(|(p, r)| runtimes[p.as_str()].generate(r, &mut |_| true).unwrap())
+        .collect();
+    let scheduler = Scheduler::new(
+        runtimes,
+        SchedulerConfig {
+            max_batch: 4,
+            kv_budget: None,
+            prefill_tokens: 256,
+            prefix_cache_bytes: 1 << 30,
+        },
+    )
+    .unwrap();
+    let (tx, rx) = channel();
+    // One at a time, so that each later request finds the prefix of the ones before.
+    let mut got = Vec::new();
+    for (id, (policy, request)) in requests.iter().enumerate() {
+        let sink = Box::new(Probe {
+            id,
+            tx: tx.clone(),
+            tokens: 0,
+            stop_after: None,
+        });
+        scheduler.submit(policy, request, sink).unwrap();
+        let (done, _) = collect(&rx, 1);
+        got.push(done.into_values().next().unwrap().unwrap());
+    }
+    for (i, (g, a)) in got.iter().zip(&alone).enumerate() {
+        assert_eq!(g.tokens, a.tokens, "request {i}");
+        assert_eq!(g.text, a.text, "request {i}");
+        assert_eq!(g.stats.kv.end, a.stats.kv.end, "request {i}");
+    }
+    let cached: Vec<usize> = got.iter().map(|g| g.stats.cached_prompt_tokens).collect();
+    assert_eq!(cached, [0, shared, shared, 0, shared]);
+    let load = scheduler.load();
+    assert_eq!(
+        load.prefix_hits.load(std::sync::atomic::Ordering::Relaxed),
+        3
+    );
+    assert!(load.prefix_bytes.load(std::sync::atomic::Ordering::Relaxed) > 0);
 }

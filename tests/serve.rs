@@ -641,3 +641,47 @@ fn rag_requests_retrieve_and_are_counted() {
     drop(server);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn a_shared_document_is_prefilled_once_and_a_request_beyond_the_kv_budget_is_a_400() {
+    // A budget of 64 MiB: room for a few full requests of a few hundred tokens, not for
+    // one of the whole context.
+    let server = Server::start(
+        "prefix",
+        &config("kv_budget_mib = 64\nprefix_cache_mib = 128"),
+    );
+    assert_eq!(
+        server.metric("headwise_kv_budget_bytes"),
+        64.0 * 1024.0 * 1024.0
+    );
+    let doc = "Field notes: the heron waits at the river bank at dawn. ".repeat(30);
+    let ask = |q: &str| -> Value {
+        let body = chat_body(&format!("{doc}\nQuestion: {q}"), 6, false);
+        post(&server, "/v1/chat/completions", &body).json().unwrap()
+    };
+    let first = ask("Where does the heron wait?");
+    let second = ask("When does the heron wait?");
+    let cached = |v: &Value| v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64();
+    assert_eq!(cached(&first), Some(0), "{first}");
+    let hit = cached(&second).unwrap();
+    assert!(hit >= 256 && hit % 256 == 0, "{second}");
+    assert_eq!(
+        second["usage"]["headwise"]["cached_prompt_tokens"].as_u64(),
+        Some(hit)
+    );
+    assert_eq!(server.metric("headwise_prefix_hits"), 1.0);
+    assert!(server.metric("headwise_prefix_bytes") > 0.0);
+    // Alone beyond the budget: a 400 that names both numbers.
+    let (s, e) = error_of(post(
+        &server,
+        "/v1/chat/completions",
+        &chat_body(&"word ".repeat(3000), 2000, false),
+    ));
+    assert_eq!(s, 400, "{e}");
+    let msg = e["message"].as_str().unwrap();
+    assert!(
+        msg.contains("kv_budget") && msg.contains("67108864"),
+        "{msg}"
+    );
+    assert_eq!(server.metric("headwise_kv_reserved_bytes"), 0.0);
+}

@@ -54,7 +54,9 @@ pub struct BenchArgs {
     #[arg(long, value_delimiter = ',', default_value = "instrumented,mistralrs")]
     engines: Vec<String>,
     /// Also run llama.cpp's `llama-bench` binary (2 threads) on the same GGUF and add its
-    /// rows (see ../shared/tools/build-llama-bench.sh in the workplace).
+    /// rows (see ../shared/tools/build-llama-bench.sh in the workplace); `bench serve`
+    /// runs the `llama-server` of the same folder as its anchor (`-np` the largest
+    /// concurrency, `-cb`, 2 threads).
     #[arg(long)]
     llama_bench: Option<PathBuf>,
     /// Also run another headwise binary's instrumented engine, as `NAME=PATH` (e.g.
@@ -76,6 +78,14 @@ pub struct BenchArgs {
     /// [default: the largest concurrency].
     #[arg(long, value_delimiter = ',')]
     max_batch: Vec<usize>,
+    /// `bench serve`: the server's prefix cache sizes to compare (MiB, 0: off), one
+    /// server each.
+    #[arg(long, value_delimiter = ',', default_value = "256")]
+    prefix_cache_mib: Vec<f64>,
+    /// `bench serve`: every request is one document followed by its own question
+    /// (a shared prefix) instead of its own first line followed by the document.
+    #[arg(long)]
+    shared_prefix: bool,
     /// `bench serve`: policy presets to measure (files policies/<name>.toml).
     #[arg(long, value_delimiter = ',', default_value = "full,static-locos")]
     policies: Vec<String>,
@@ -749,20 +759,26 @@ fn serve(args: &BenchArgs) -> anyhow::Result<()> {
         requests: args.requests,
         prompt: synthetic_notes(args.prompt_tokens[0] / 17, None),
         max_tokens: args.decode_tokens,
+        shared: args.shared_prefix,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
     let (mut rows, mut made) = (Vec::new(), None);
-    for max_batch in batches {
+    let servers = batches
+        .iter()
+        .flat_map(|&b| args.prefix_cache_mib.iter().map(move |&p| (b, p)));
+    for (max_batch, prefix_cache_mib) in servers {
         // Every client gets a place in the batch or the queue.
         let cfg = ServeConfig {
             model: Some(path.clone()),
             policies: Some(policies.clone()),
             max_concurrency: max_batch,
             max_queue: top.saturating_sub(max_batch),
+            prefix_cache_mib,
             ..ServeConfig::default()
         };
+        cfg.validate()?;
         let engine = std::sync::Arc::new(load_engine(&cfg)?);
         // The server loads its model with its own numerics, whatever --numerics says.
         let (_, runtime) = engine
@@ -771,17 +787,35 @@ fn serve(args: &BenchArgs) -> anyhow::Result<()> {
         made.get_or_insert_with(|| Made::now(runtime.model().model.numerics().name()));
         rows.extend(rt.block_on(bench::run(engine, &cfg, &opts, &mut |r| {
             eprintln!(
-                "{} max batch {} x{}: {} requests in {:.1} s, {:.2} req/s, {:.1} tok/s, TTFT {:.2} s",
+                "{} max batch {} prefix cache {} MiB x{}: {} requests in {:.1} s, {:.2} req/s, \
+                 {:.1} tok/s, TTFT {:.2} s, mean batch {:.1}",
                 r.policy,
                 r.max_batch,
+                r.prefix_cache_mib,
                 r.concurrency,
                 r.requests,
                 r.wall_secs,
                 r.requests_per_s,
                 r.tokens_per_s,
-                r.mean_ttft_s
+                r.mean_ttft_s,
+                r.mean_batch
             );
         }))?);
+    }
+    if let Some(bin) = &args.llama_bench {
+        // The anchor: llama.cpp's own server from the same folder, one slot per client.
+        use headwise::reference::llama_cpp::{Attention, LlamaCppBins, LlamaServer};
+        let bins = LlamaCppBins::find(bin.parent(), &path)?;
+        let ctx = top * (args.prompt_tokens[0] + args.decode_tokens + 256);
+        let server = LlamaServer::start_parallel(&bins, &path, ctx, 2, Attention::Default, top)?;
+        rows.extend(
+            rt.block_on(bench::run_anchor(server.base(), top, &opts, &mut |r| {
+                eprintln!(
+                    "llama-server -np {} x{}: {:.2} req/s, {:.1} tok/s, TTFT {:.2} s",
+                    r.max_batch, r.concurrency, r.requests_per_s, r.tokens_per_s, r.mean_ttft_s
+                );
+            }))?,
+        );
     }
     let made = made.ok_or_else(|| anyhow::anyhow!("no server was measured"))?;
     let out = out_dir(args.out.as_ref(), &id, "serve-bench");

@@ -1,7 +1,9 @@
-//! `headwise bench serve`: requests/s, tokens/s, latency and time to first token of the
-//! real server on loopback, at several client concurrencies, per policy. Each client
-//! sends streamed chat requests one after another; a level's rates are its totals over
-//! its wall time.
+//! `headwise bench serve`: requests/s, tokens/s, latency, time to first token and the
+//! gaps between streamed chunks of the real server on loopback, at several client
+//! concurrencies, per policy, with the mean batch the server ran. Each client sends
+//! streamed chat requests one after another; a level's rates are its totals over its wall
+//! time. Requests either share one document and differ in their question (the prefix
+//! cache's case) or each start with their own line (no shared prefix).
 
 use std::path::Path;
 use std::sync::Arc;
@@ -31,6 +33,9 @@ pub struct BenchOptions {
     pub prompt: String,
     /// Tokens generated per request (end-of-turn ignored).
     pub max_tokens: usize,
+    /// Every request is `prompt` followed by its own question (a shared prefix), instead
+    /// of its own first line followed by `prompt`.
+    pub shared: bool,
 }
 
 /// One level's totals.
@@ -40,6 +45,9 @@ pub struct BenchRow {
     /// The server's batch size limit (`max_concurrency`).
     #[serde(default)]
     pub max_batch: usize,
+    /// The server's prefix cache, MiB (0: off).
+    #[serde(default)]
+    pub prefix_cache_mib: f64,
     pub concurrency: usize,
     pub requests: usize,
     pub prompt_tokens: usize,
@@ -51,12 +59,27 @@ pub struct BenchRow {
     pub mean_ttft_s: f64,
     /// Mean of the requests' peak KV bytes.
     pub mean_kv_peak_bytes: f64,
+    /// Median and 95th percentile of the time to first token, and of the gaps between a
+    /// stream's chunks after its first.
+    #[serde(default)]
+    pub p50_ttft_s: f64,
+    #[serde(default)]
+    pub p95_ttft_s: f64,
+    #[serde(default)]
+    pub p50_itl_s: f64,
+    #[serde(default)]
+    pub p95_itl_s: f64,
+    /// Mean sequences per batched decode step over the level.
+    #[serde(default)]
+    pub mean_batch: f64,
 }
 
 /// One request's numbers.
 struct Sample {
     latency: f64,
     ttft: f64,
+    /// Seconds between consecutive content chunks after the first.
+    gaps: Vec<f64>,
     tokens: usize,
     prompt_tokens: usize,
     kv_peak: f64,
@@ -92,31 +115,17 @@ pub async fn run(
         }
     });
     let url = format!("http://{addr}/v1/chat/completions");
-    let http = reqwest::Client::new();
     let mut rows = Vec::new();
     for policy in &opts.policies {
-        for &c in &opts.concurrency {
-            let n = opts.requests.max(2 * c);
-            let t0 = Instant::now();
-            let samples = level(&http, &url, cfg, policy, c, n, opts).await?;
-            let wall = t0.elapsed().as_secs_f64();
-            let mean = |f: fn(&Sample) -> f64| samples.iter().map(f).sum::<f64>() / n as f64;
-            let row = BenchRow {
-                policy: policy.clone(),
-                max_batch: cfg.max_concurrency,
-                concurrency: c,
-                requests: n,
-                prompt_tokens: samples.first().map_or(0, |s| s.prompt_tokens),
-                wall_secs: wall,
-                requests_per_s: n as f64 / wall,
-                tokens_per_s: samples.iter().map(|s| s.tokens).sum::<usize>() as f64 / wall,
-                mean_latency_s: mean(|s| s.latency),
-                mean_ttft_s: mean(|s| s.ttft),
-                mean_kv_peak_bytes: mean(|s| s.kv_peak),
-            };
-            progress(&row);
-            rows.push(row);
-        }
+        let target = Target {
+            url: url.clone(),
+            key: cfg.api_keys.first().cloned(),
+            policy: Some(policy.clone()),
+            engine: Some(&engine),
+            max_batch: cfg.max_concurrency,
+            prefix_cache_mib: cfg.prefix_cache_mib,
+        };
+        rows.extend(levels(&target, opts, progress).await?);
     }
     let _ = stop.send(());
     server
@@ -125,33 +134,141 @@ pub async fn run(
     Ok(rows)
 }
 
+/// Measure `llama-server` at `base` (`http://host:port`, started with `parallel` slots)
+/// with the same requests and levels: the serving anchor. Its rows are labelled
+/// `llama-server`; the mean batch and KV peak are not known (0).
+pub async fn run_anchor(
+    base: &str,
+    parallel: usize,
+    opts: &BenchOptions,
+    progress: &mut dyn FnMut(&BenchRow),
+) -> Result<Vec<BenchRow>> {
+    let target = Target {
+        url: format!("{base}/v1/chat/completions"),
+        key: None,
+        policy: None,
+        engine: None,
+        max_batch: parallel,
+        prefix_cache_mib: 0.0,
+    };
+    levels(&target, opts, progress).await
+}
+
+/// Where a level's requests go.
+struct Target<'a> {
+    url: String,
+    key: Option<String>,
+    /// The headwise preset; `None`: llama-server (its own request fields).
+    policy: Option<String>,
+    /// The headwise engine behind `url`, for its batch counters.
+    engine: Option<&'a Engine>,
+    max_batch: usize,
+    prefix_cache_mib: f64,
+}
+
+/// Every concurrency level of `opts` against `target`.
+async fn levels(
+    target: &Target<'_>,
+    opts: &BenchOptions,
+    progress: &mut dyn FnMut(&BenchRow),
+) -> Result<Vec<BenchRow>> {
+    let http = reqwest::Client::new();
+    let mut rows = Vec::new();
+    let batched = |e: Option<&Engine>| {
+        e.map_or((0.0, 0.0), |e| {
+            let m = e.metrics();
+            (m.batch_steps.get() as f64, m.batch_rows.get() as f64)
+        })
+    };
+    for &c in &opts.concurrency {
+        let n = opts.requests.max(2 * c);
+        let (steps0, rows0) = batched(target.engine);
+        let t0 = Instant::now();
+        let samples = level(&http, target, c, n, opts).await?;
+        let wall = t0.elapsed().as_secs_f64();
+        let (steps1, rows1) = batched(target.engine);
+        let ttfts: Vec<f64> = samples.iter().map(|s| s.ttft).collect();
+        let gaps: Vec<f64> = samples.iter().flat_map(|s| s.gaps.clone()).collect();
+        let mean = |f: fn(&Sample) -> f64| samples.iter().map(f).sum::<f64>() / n as f64;
+        let row = BenchRow {
+            policy: target
+                .policy
+                .clone()
+                .unwrap_or_else(|| "llama-server".into()),
+            max_batch: target.max_batch,
+            prefix_cache_mib: target.prefix_cache_mib,
+            concurrency: c,
+            requests: n,
+            prompt_tokens: samples.first().map_or(0, |s| s.prompt_tokens),
+            wall_secs: wall,
+            requests_per_s: n as f64 / wall,
+            tokens_per_s: samples.iter().map(|s| s.tokens).sum::<usize>() as f64 / wall,
+            mean_latency_s: mean(|s| s.latency),
+            mean_ttft_s: mean(|s| s.ttft),
+            mean_kv_peak_bytes: mean(|s| s.kv_peak),
+            p50_ttft_s: percentile(&ttfts, 0.5),
+            p95_ttft_s: percentile(&ttfts, 0.95),
+            p50_itl_s: percentile(&gaps, 0.5),
+            p95_itl_s: percentile(&gaps, 0.95),
+            mean_batch: (rows1 - rows0) / (steps1 - steps0).max(1.0),
+        };
+        progress(&row);
+        rows.push(row);
+    }
+    Ok(rows)
+}
+
+/// The `q`-quantile of `xs` (nearest rank); 0 for none.
+fn percentile(xs: &[f64], q: f64) -> f64 {
+    if xs.is_empty() {
+        return 0.0;
+    }
+    let mut v = xs.to_vec();
+    v.sort_by(f64::total_cmp);
+    let rank = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len());
+    v[rank - 1]
+}
+
 /// `n` requests from `c` clients, each sending its share one after another.
 async fn level(
     http: &reqwest::Client,
-    url: &str,
-    cfg: &ServeConfig,
-    policy: &str,
+    target: &Target<'_>,
     c: usize,
     n: usize,
     opts: &BenchOptions,
 ) -> Result<Vec<Sample>> {
-    let body = json!({
-        "messages": [{"role": "user", "content": opts.prompt}],
-        "max_tokens": opts.max_tokens,
-        "temperature": 0,
-        "stream": true,
-        "stream_options": {"include_usage": true},
-        "headwise": {"policy": policy, "ignore_eos": true},
-    });
+    // Request `k` of the level.
+    let body = |k: usize| {
+        let content = match opts.shared {
+            true => format!("{}\n\nQuestion {k}: what does note {k} say?", opts.prompt),
+            false => format!("Request {k}.\n{}", opts.prompt),
+        };
+        let mut body = json!({
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": opts.max_tokens,
+            "temperature": 0,
+            "stream": true,
+            "stream_options": {"include_usage": true},
+        });
+        body[match &target.policy {
+            Some(_) => "headwise",
+            None => "ignore_eos",
+        }] = match &target.policy {
+            Some(p) => json!({"policy": p, "ignore_eos": true}),
+            None => json!(true),
+        };
+        body
+    };
     let clients = (0..c).map(|i| {
         let share = n / c + usize::from(i < n % c);
-        let (http, body) = (http.clone(), body.clone());
-        let key = cfg.api_keys.first().cloned();
-        let url = url.to_string();
+        let bodies: Vec<Value> = (0..share).map(|j| body(j * c + i)).collect();
+        let http = http.clone();
+        let key = target.key.clone();
+        let url = target.url.clone();
         async move {
             let mut out = Vec::with_capacity(share);
-            for _ in 0..share {
-                out.push(one(&http, &url, key.as_deref(), &body).await?);
+            for b in &bodies {
+                out.push(one(&http, &url, key.as_deref(), b).await?);
             }
             Ok::<_, Error>(out)
         }
@@ -183,6 +300,8 @@ async fn one(http: &reqwest::Client, url: &str, key: Option<&str>, body: &Value)
     let mut stream = resp.bytes_stream();
     let mut buf = String::new();
     let mut ttft = None;
+    let mut last = None;
+    let mut gaps = Vec::new();
     let mut usage = None;
     while let Some(bytes) = stream.next().await {
         buf.push_str(&String::from_utf8_lossy(
@@ -201,8 +320,12 @@ async fn one(http: &reqwest::Client, url: &str, key: Option<&str>, body: &Value)
                 return Err(failed(v["error"].to_string()));
             }
             let text = v["choices"][0]["delta"]["content"].as_str().unwrap_or("");
-            if ttft.is_none() && !text.is_empty() {
-                ttft = Some(t0.elapsed().as_secs_f64());
+            if !text.is_empty() {
+                let now = t0.elapsed().as_secs_f64();
+                ttft.get_or_insert(now);
+                if let Some(before) = last.replace(now) {
+                    gaps.push(now - before);
+                }
             }
             if !v["usage"].is_null() {
                 usage = Some(v["usage"].clone());
@@ -214,6 +337,7 @@ async fn one(http: &reqwest::Client, url: &str, key: Option<&str>, body: &Value)
     Ok(Sample {
         latency,
         ttft: ttft.unwrap_or(latency),
+        gaps,
         tokens: usage["completion_tokens"].as_u64().unwrap_or(0) as usize,
         prompt_tokens: usage["prompt_tokens"].as_u64().unwrap_or(0) as usize,
         kv_peak: usage["headwise"]["kv_peak_bytes"].as_f64().unwrap_or(0.0),
@@ -235,6 +359,11 @@ pub fn write_report(
             ("mean_latency_s", r.mean_latency_s),
             ("mean_ttft_s", r.mean_ttft_s),
             ("kv_peak_bytes", r.mean_kv_peak_bytes),
+            ("p50_ttft_s", r.p50_ttft_s),
+            ("p95_ttft_s", r.p95_ttft_s),
+            ("p50_itl_s", r.p50_itl_s),
+            ("p95_itl_s", r.p95_itl_s),
+            ("mean_batch", r.mean_batch),
         ] {
             records.push(ResultRecord {
                 schema_version: SCHEMA_VERSION,
@@ -246,7 +375,10 @@ pub fn write_report(
                 selection: None,
                 k: None,
                 seed: None,
-                mode: Some(format!("max_batch-{}", r.max_batch)),
+                mode: Some(format!(
+                    "max_batch-{}-prefix_cache-{}",
+                    r.max_batch, r.prefix_cache_mib
+                )),
                 policy: Some(r.policy.clone()),
                 metric: metric.into(),
                 value,
@@ -259,8 +391,8 @@ pub fn write_report(
         "# Serving throughput: {}\n\nStreamed chat requests against `headwise serve` on loopback; \
          each client sends its requests one after another, rates are totals over the level's wall time.\n\n\
          Command: `{}`\n\nMachine: {}; wall time {wall:.0} s over all levels.\n\n\
-         | policy | max batch | clients | requests | prompt tokens | requests/s | tokens/s | mean latency (s) | mean TTFT (s) | mean KV peak (MiB) |\n\
-         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+         | policy | max batch | prefix cache (MiB) | clients | requests | prompt tokens | requests/s | tokens/s | mean batch | TTFT p50 / p95 (s) | chunk gap p50 / p95 (ms) | mean KV peak (MiB) |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
         model.name,
         made.command,
         machine(),
@@ -268,34 +400,41 @@ pub fn write_report(
     );
     for r in rows {
         md.push_str(&format!(
-            "| {} | {} | {} | {} | {} | {:.2} | {:.1} | {:.2} | {:.2} | {:.2} |\n",
+            "| {} | {} | {} | {} | {} | {} | {:.2} | {:.1} | {:.1} | {:.2} / {:.2} | {:.0} / {:.0} | {:.2} |\n",
             r.policy,
             r.max_batch,
+            r.prefix_cache_mib,
             r.concurrency,
             r.requests,
             r.prompt_tokens,
             r.requests_per_s,
             r.tokens_per_s,
-            r.mean_latency_s,
-            r.mean_ttft_s,
+            r.mean_batch,
+            r.p50_ttft_s,
+            r.p95_ttft_s,
+            r.p50_itl_s * 1e3,
+            r.p95_itl_s * 1e3,
             r.mean_kv_peak_bytes / (1024.0 * 1024.0)
         ));
     }
     md.push_str("\n![tokens per second against clients](throughput.svg)\n");
     write_experiment(dir, &md, &records, made)?;
-    let mut lines: Vec<(&str, usize)> = rows
-        .iter()
-        .map(|r| (r.policy.as_str(), r.max_batch))
-        .collect();
+    let label = |r: &BenchRow| {
+        format!(
+            "{}, max batch {}, prefix cache {} MiB",
+            r.policy, r.max_batch, r.prefix_cache_mib
+        )
+    };
+    let mut lines: Vec<String> = rows.iter().map(label).collect();
     lines.dedup();
     let series: Vec<Series<f64>> = lines
         .iter()
         .enumerate()
-        .map(|(i, &(p, b))| Series {
-            name: format!("{p}, max batch {b}"),
+        .map(|(i, l)| Series {
+            name: l.clone(),
             points: rows
                 .iter()
-                .filter(|r| (r.policy.as_str(), r.max_batch) == (p, b))
+                .filter(|r| label(r) == *l)
                 .map(|r| (r.concurrency as f64, r.tokens_per_s))
                 .collect(),
             color: Palette99::pick(i).to_rgba(),

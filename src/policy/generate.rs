@@ -18,6 +18,7 @@ use crate::model::{
 };
 use crate::policy::evict::{Observe, Observed};
 use crate::policy::plan::{DynamicSource, Plan, Prefill};
+use crate::policy::prefix::Prefix;
 use crate::{Error, Result};
 
 /// A prompt prefilled with the plain (full) cache, all but its last token: shared by
@@ -196,6 +197,8 @@ pub struct KvStats {
 pub struct PolicyGeneration {
     pub generation: Generation,
     pub kv: KvStats,
+    /// Prompt positions taken from a shared prefix instead of prefilled.
+    pub cached_tokens: usize,
 }
 
 /// Generate from `prompt` under `plan`. A `full_then_evict` plan reuses `prefilled`
@@ -242,6 +245,10 @@ pub struct Decoding<'a> {
     /// which `done` have run.
     pending: Vec<u32>,
     done: usize,
+    /// Positions taken from a shared prefix.
+    cached_tokens: usize,
+    /// Whether this prefill's prefix was offered for sharing.
+    offered: bool,
     /// The prefill is done.
     ready: bool,
     sampler: Sampler,
@@ -282,7 +289,9 @@ impl<'a> Decoding<'a> {
         oracle_labels: Option<&'a [Vec<f32>]>,
     ) -> Result<Self> {
         let mut decoding = Self::begin(model, plan, prompt, opts, prefilled, oracle_labels)?;
-        decoding.prefill_some(usize::MAX)?;
+        while !decoding.ready() {
+            decoding.prefill_some(usize::MAX)?;
+        }
         Ok(decoding)
     }
 
@@ -296,6 +305,22 @@ impl<'a> Decoding<'a> {
         opts: &GenerateOptions,
         prefilled: Option<&Prefilled>,
         oracle_labels: Option<&'a [Vec<f32>]>,
+    ) -> Result<Self> {
+        Self::begin_with(model, plan, prompt, opts, prefilled, oracle_labels, None)
+    }
+
+    /// [`Decoding::begin`] continuing from `prefix`, a shared prefix of the prompt
+    /// prefilled under the same plan ([`Decoding::take_prefix`] of an earlier request):
+    /// only the rest of the prompt is prefilled. A plan that presses after a full
+    /// prefill cannot continue one.
+    pub fn begin_with(
+        model: &'a Model,
+        plan: &'a Plan,
+        prompt: &[u32],
+        opts: &GenerateOptions,
+        prefilled: Option<&Prefilled>,
+        oracle_labels: Option<&'a [Vec<f32>]>,
+        prefix: Option<Prefix>,
     ) -> Result<Self> {
         let cfg = model.config();
         opts.check(prompt.len(), cfg.context_length)?;
@@ -316,6 +341,8 @@ impl<'a> Decoding<'a> {
         let t0 = Instant::now();
         let mut shared_secs = 0.0;
         let mut pending = Vec::new();
+        let mut done = 0;
+        let prefix_given = prefix.is_some();
         let (session, hidden, prefill_peak) = match plan.prefill {
             Prefill::FullThenEvict => {
                 let need = prefill_need(plan, prompt.len(), opts)?
@@ -358,11 +385,32 @@ impl<'a> Decoding<'a> {
                 (session, hidden, peak)
             }
             Prefill::Stream => {
-                let cache = HeadCache::new(cfg, &plan.retention, plan.rows, capacity)?;
                 pending = prompt[..prompt.len() - 1].to_vec();
-                (Session::with_cache(model, cache), None, 0)
+                match prefix {
+                    Some(p) => {
+                        if !pending.starts_with(&p.tokens) || p.tokens.len() % model.chunk() != 0 {
+                            return Err(Error::invalid(
+                                "prefix",
+                                "not a whole number of prefill chunks at the start of this prompt",
+                            ));
+                        }
+                        done = p.tokens.len();
+                        let cache = p.cache.with_capacity(capacity)?;
+                        (Session::with_cache(model, cache), p.hidden, 0)
+                    }
+                    None => {
+                        let cache = HeadCache::new(cfg, &plan.retention, plan.rows, capacity)?;
+                        (Session::with_cache(model, cache), None, 0)
+                    }
+                }
             }
         };
+        if prefix_given && plan.prefill != Prefill::Stream {
+            return Err(Error::invalid(
+                "prefix",
+                "a policy that presses after a full prefill does not continue a shared prefix",
+            ));
+        }
         let want_hidden = matches!(
             plan.dynamic.as_ref().map(|d| &d.source),
             Some(DynamicSource::Probe { .. })
@@ -371,7 +419,9 @@ impl<'a> Decoding<'a> {
             plan,
             session,
             pending,
-            done: 0,
+            done,
+            cached_tokens: done,
+            offered: false,
             ready: false,
             sampler,
             stop: opts.stop.clone(),
@@ -411,11 +461,16 @@ impl<'a> Decoding<'a> {
             return Ok(0);
         }
         let chunk = self.session.model().chunk();
-        let n = max_tokens
+        let mut n = max_tokens
             .max(1)
             .checked_next_multiple_of(chunk)
             .unwrap_or(usize::MAX)
             .min(self.prefill_left());
+        // Stop at the deepest chunk boundary once, where the prefix can be shared.
+        let boundary = self.boundary();
+        if self.done < boundary {
+            n = n.min(boundary - self.done);
+        }
         if n > 0 {
             let part = &self.pending[self.done..self.done + n];
             let mut obs = LastHidden::new(true);
@@ -432,6 +487,36 @@ impl<'a> Decoding<'a> {
             self.ready = true;
         }
         Ok(n)
+    }
+
+    /// The deepest whole number of prefill chunks in the streamed prefill.
+    fn boundary(&self) -> usize {
+        let chunk = self.session.model().chunk();
+        self.pending.len() / chunk * chunk
+    }
+
+    /// The prompt prefix this prefill has just reached, for later requests to continue
+    /// ([`Decoding::begin_with`]): offered once, when a streaming prefill stands at its
+    /// deepest chunk boundary (and that is more than it started from).
+    pub fn take_prefix(&mut self) -> Option<Prefix> {
+        let at = self.boundary();
+        let share = !self.offered
+            && self.plan.prefill == Prefill::Stream
+            && at > self.cached_tokens
+            && self.done == at;
+        if !share {
+            return None;
+        }
+        self.offered = true;
+        let mut cache = self.session.cache().clone();
+        for &(layer, head, _) in &self.plan.topk {
+            cache.set_topk(layer, head, None).ok()?;
+        }
+        Some(Prefix {
+            tokens: self.pending[..at].to_vec(),
+            cache,
+            hidden: self.hidden.clone(),
+        })
     }
 
     /// Whether the prefill is done (the next call is a step).
@@ -546,6 +631,7 @@ impl<'a> Decoding<'a> {
                 decode_secs: self.t1.elapsed().as_secs_f64(),
             },
             kv,
+            cached_tokens: self.cached_tokens,
         }
     }
 }

@@ -15,7 +15,8 @@
 //! - [`ablation`]: head sets, ablation modes and the mean-ablation calibration;
 //! - [`generate()`]: generation under a plan, with its KV statistics;
 //! - [`runtime`]: the library API, [`Runtime`];
-//! - [`scheduler`]: continuous batching of many generations, [`Scheduler`].
+//! - [`scheduler`]: continuous batching of many generations, [`Scheduler`];
+//! - [`prefix`]: shared prompt prefixes, prefilled once, for the scheduler.
 
 pub mod ablation;
 pub mod atlas;
@@ -23,6 +24,7 @@ pub mod config;
 pub mod evict;
 pub mod generate;
 pub mod plan;
+pub mod prefix;
 pub mod presses;
 pub mod ranking;
 pub mod runtime;

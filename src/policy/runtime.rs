@@ -161,6 +161,10 @@ pub struct GenerationStats {
     pub kv: KvStats,
     /// Why generation ended: `stop`, `length` or `cancelled`.
     pub finish: String,
+    /// Prompt tokens taken from a shared prefix ([`crate::policy::prefix`]) instead
+    /// of prefilled.
+    #[serde(default)]
+    pub cached_prompt_tokens: usize,
 }
 
 impl fmt::Display for GenerationStats {
@@ -305,6 +309,7 @@ impl Runtime {
                 StopReason::Cancelled => "cancelled",
             }
             .into(),
+            cached_prompt_tokens: out.cached_tokens,
         };
         GenerateOutput {
             text,

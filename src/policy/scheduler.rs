@@ -14,7 +14,10 @@
 //! 3. prefills at most `prefill_tokens` prompt positions (whole chunks of the model's
 //!    prefill) of the admitted sequences still prefilling, oldest first, so that a long
 //!    new prompt is spread over several iterations instead of stalling the running
-//!    streams (a `full_then_evict` policy prefills and presses whole at admission);
+//!    streams (a `full_then_evict` policy prefills and presses whole at admission); with
+//!    `prefix_cache_bytes`, a streaming prefill's deepest chunk boundary is kept in a
+//!    [`PrefixCache`], and a later request of the same policy whose prompt starts with
+//!    it continues from a copy instead of prefilling it again;
 //! 4. runs one batched decode step of every prefilled sequence and hands each its
 //!    token ([`Sink::token`]); finished and cancelled sequences leave at once, their
 //!    caches freed and their reservation returned.
@@ -30,6 +33,7 @@ use std::thread::JoinHandle;
 
 use crate::model::{step_batch, BatchStep, GenerateOptions, HeadCache, StopReason};
 use crate::policy::generate::Decoding;
+use crate::policy::prefix::PrefixCache;
 use crate::policy::runtime::{GenerateOutput, GenerateRequest, Runtime, Step, TextOut};
 use crate::policy::Prefill;
 use crate::{Error, Result};
@@ -44,6 +48,9 @@ pub struct SchedulerConfig {
     /// Most prompt positions prefilled per iteration (rounded up to whole chunks of the
     /// model's prefill).
     pub prefill_tokens: usize,
+    /// Bytes of shared prompt prefixes kept for later requests ([`PrefixCache`]; 0:
+    /// none).
+    pub prefix_cache_bytes: usize,
 }
 
 impl Default for SchedulerConfig {
@@ -52,6 +59,7 @@ impl Default for SchedulerConfig {
             max_batch: 16,
             kv_budget: None,
             prefill_tokens: 256,
+            prefix_cache_bytes: 0,
         }
     }
 }
@@ -89,6 +97,12 @@ pub struct Load {
     /// Batched decode steps run, and the rows they ran (mean batch size = rows / steps).
     pub steps: AtomicU64,
     pub rows: AtomicU64,
+    /// Requests that continued a shared prefix, and the prompt tokens they did not
+    /// prefill.
+    pub prefix_hits: AtomicU64,
+    pub prefix_tokens: AtomicU64,
+    /// Bytes the prefix cache holds.
+    pub prefix_bytes: AtomicUsize,
 }
 
 struct Job {
@@ -259,6 +273,7 @@ pub fn reservation(rt: &Runtime, capacity: usize) -> Result<usize> {
 
 /// One admitted sequence.
 struct Running<'a> {
+    policy: &'a str,
     rt: &'a Runtime,
     decoding: Decoding<'a>,
     sink: Box<dyn Sink>,
@@ -277,6 +292,7 @@ fn run(
 ) {
     let mut waiting: VecDeque<Job> = VecDeque::new();
     let mut running: Vec<Running> = Vec::new();
+    let mut prefixes = PrefixCache::new(cfg.prefix_cache_bytes);
     let mut reserved = 0usize;
     let mut open = true;
     loop {
@@ -321,23 +337,27 @@ fn run(
             let Some(mut job) = waiting.pop_front() else {
                 break;
             };
-            let Some(rt) = runtimes.get(&job.policy) else {
+            let Some((policy, rt)) = runtimes.get_key_value(&job.policy) else {
                 job.sink
                     .done(Err(Error::Internal("a job of an unknown policy")));
                 continue;
             };
             job.sink.admitted();
-            match Decoding::begin(
-                &rt.model().model,
-                rt.plan(),
-                &job.ids,
-                &job.opts,
-                None,
-                None,
-            ) {
+            let prefix = match rt.plan().prefill {
+                Prefill::Stream => prefixes.lookup(policy, &job.ids[..job.ids.len() - 1]),
+                Prefill::FullThenEvict => None,
+            };
+            if let Some(p) = &prefix {
+                load.prefix_hits.fetch_add(1, Ordering::Relaxed);
+                load.prefix_tokens
+                    .fetch_add(p.tokens.len() as u64, Ordering::Relaxed);
+            }
+            let (model, plan) = (&rt.model().model, rt.plan());
+            match Decoding::begin_with(model, plan, &job.ids, &job.opts, None, None, prefix) {
                 Ok(decoding) => {
                     reserved += job.need;
                     running.push(Running {
+                        policy,
                         rt,
                         decoding,
                         sink: job.sink,
@@ -358,6 +378,11 @@ fn run(
             match r.decoding.prefill_some(budget) {
                 Ok(n) => budget = budget.saturating_sub(n),
                 Err(e) => r.end = Some(Err(e)),
+            }
+            if cfg.prefix_cache_bytes > 0 {
+                if let Some(p) = r.decoding.take_prefix() {
+                    prefixes.insert(r.policy, p);
+                }
             }
         }
         // 4. One batched decode step of every prefilled sequence.
@@ -419,6 +444,7 @@ fn run(
         load.reserved_bytes.store(reserved, Ordering::Relaxed);
         let used: usize = running.iter().map(|r| r.decoding.kv_bytes().total()).sum();
         load.used_bytes.store(used, Ordering::Relaxed);
+        load.prefix_bytes.store(prefixes.bytes(), Ordering::Relaxed);
     }
 }
 

@@ -249,6 +249,19 @@ impl LlamaServer {
         threads: usize,
         attention: Attention,
     ) -> Result<Self> {
+        Self::start_parallel(bins, model, ctx, threads, attention, 1)
+    }
+
+    /// [`LlamaServer::start`] with `parallel` slots sharing the context of `ctx` tokens,
+    /// continuously batched (`-np parallel -cb`): the serving anchor of `bench serve`.
+    pub fn start_parallel(
+        bins: &LlamaCppBins,
+        model: &Path,
+        ctx: usize,
+        threads: usize,
+        attention: Attention,
+        parallel: usize,
+    ) -> Result<Self> {
         let port = TcpListener::bind("127.0.0.1:0")
             .and_then(|l| l.local_addr())
             .map_err(|e| err(format!("no free loopback port: {e}")))?
@@ -265,8 +278,9 @@ impl LlamaServer {
                 "-t",
                 &threads.to_string(),
                 "-np",
-                "1",
+                &parallel.max(1).to_string(),
             ])
+            .args(if parallel > 1 { &["-cb"][..] } else { &[] })
             .args(attention.flags())
             .envs(attention.env())
             .stdout(Stdio::null())
@@ -286,6 +300,11 @@ impl LlamaServer {
         };
         server.wait_healthy(startup)?;
         Ok(server)
+    }
+
+    /// The server's address, `http://127.0.0.1:PORT`.
+    pub fn base(&self) -> &str {
+        &self.base
     }
 
     /// Poll `/health` until the model is loaded, at most `startup`.

@@ -282,8 +282,11 @@ pub struct HeadwiseUsage {
     pub kv_prefill_peak_bytes: usize,
     pub prefill_tok_s: f64,
     pub decode_tok_s: f64,
-    /// Seconds the request waited for a free slot.
+    /// Seconds the request waited for a place in the batch.
     pub queue_secs: f64,
+    /// Prompt tokens continued from a shared prefix instead of prefilled.
+    #[serde(default)]
+    pub cached_prompt_tokens: usize,
     /// Retrievals of a RAG request.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub retrievals: Option<usize>,
@@ -295,7 +298,16 @@ pub struct Usage {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
     pub total_tokens: usize,
+    /// OpenAI's `cached_tokens`: prompt tokens served from the prefix cache.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub prompt_tokens_details: Option<PromptTokensDetails>,
     pub headwise: HeadwiseUsage,
+}
+
+/// `usage.prompt_tokens_details`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct PromptTokensDetails {
+    pub cached_tokens: usize,
 }
 
 /// The assistant's message.

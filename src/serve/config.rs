@@ -72,6 +72,9 @@ pub struct ServeConfig {
     /// Prompt tokens prefilled between two decode steps of the batch (whole chunks of
     /// the model's prefill), so that a long prompt does not stall the running streams.
     pub prefill_tokens: usize,
+    /// MiB of shared prompt prefixes kept so that requests starting with the same long
+    /// text (one document, many questions) prefill it once per policy (0: off).
+    pub prefix_cache_mib: f64,
     /// Largest request body accepted, in bytes.
     pub max_body_bytes: usize,
     /// Seconds a request may take, queueing included.
@@ -119,6 +122,7 @@ impl Default for ServeConfig {
             max_queue: 16,
             kv_budget_mib: None,
             prefill_tokens: 256,
+            prefix_cache_mib: 256.0,
             max_body_bytes: 1 << 20,
             request_timeout_secs: 300.0,
             shutdown_grace_secs: 10.0,
@@ -208,6 +212,13 @@ impl ServeConfig {
                     format!("{v} (allowed: {min}..={max})"),
                 ));
             }
+        }
+        let cache = self.prefix_cache_mib;
+        if !(cache.is_finite() && (0.0..=(1u64 << 30) as f64).contains(&cache)) {
+            return Err(Error::invalid(
+                "prefix_cache_mib",
+                format!("{cache} (must be a number of MiB, 0 for none)"),
+            ));
         }
         if let Some(mib) = self.kv_budget_mib {
             if !(mib.is_finite() && mib > 0.0 && mib <= (1u64 << 30) as f64) {

@@ -26,7 +26,9 @@ use crate::rag::qa::QaItem;
 use crate::rag::text::Stopwords;
 use crate::rag::trigger::TriggerConfig;
 use crate::rag::Bm25Index;
-use crate::serve::api::{ApiError, HeadwiseUsage, TokenLogprob, TopLogprob, Usage};
+use crate::serve::api::{
+    ApiError, HeadwiseUsage, PromptTokensDetails, TokenLogprob, TopLogprob, Usage,
+};
 use crate::serve::config::ServeConfig;
 use crate::serve::metrics::Metrics;
 use crate::serve::stop::StopMatcher;
@@ -122,6 +124,7 @@ impl Engine {
                 max_batch: cfg.max_concurrency,
                 kv_budget: cfg.kv_budget_bytes(),
                 prefill_tokens: cfg.prefill_tokens,
+                prefix_cache_bytes: (cfg.prefix_cache_mib * 1024.0 * 1024.0) as usize,
             },
         )?;
         if let Some(budget) = cfg.kv_budget_bytes() {
@@ -206,6 +209,11 @@ impl Engine {
         m.batch_size.set(get(&load.running));
         m.batch_steps.set(load.steps.load(Ordering::Relaxed) as i64);
         m.batch_rows.set(load.rows.load(Ordering::Relaxed) as i64);
+        m.prefix_hits
+            .set(load.prefix_hits.load(Ordering::Relaxed) as i64);
+        m.prefix_tokens
+            .set(load.prefix_tokens.load(Ordering::Relaxed) as i64);
+        m.prefix_bytes.set(get(&load.prefix_bytes));
         m
     }
 
@@ -407,6 +415,9 @@ impl Generation {
             prompt_tokens: s.prompt_tokens,
             completion_tokens: s.generated_tokens,
             total_tokens: s.prompt_tokens + s.generated_tokens,
+            prompt_tokens_details: Some(PromptTokensDetails {
+                cached_tokens: s.cached_prompt_tokens,
+            }),
             headwise: HeadwiseUsage {
                 policy: self.policy.clone(),
                 kv_bytes: s.kv.end.hot,
@@ -416,6 +427,7 @@ impl Generation {
                 prefill_tok_s: s.prefill_tok_s,
                 decode_tok_s: s.decode_tok_s,
                 queue_secs: self.queue_secs.unwrap_or(0.0),
+                cached_prompt_tokens: s.cached_prompt_tokens,
                 retrievals: None,
             },
         };
@@ -565,6 +577,7 @@ impl Engine {
                         prompt_tokens: a.prompt_tokens,
                         completion_tokens: a.generated_tokens,
                         total_tokens: a.prompt_tokens + a.generated_tokens,
+                        prompt_tokens_details: None,
                         headwise: HeadwiseUsage {
                             policy: job.policy.clone(),
                             kv_bytes: 0,
@@ -574,6 +587,7 @@ impl Engine {
                             prefill_tok_s: 0.0,
                             decode_tok_s: a.generated_tokens as f64 / secs,
                             queue_secs,
+                            cached_prompt_tokens: 0,
                             retrievals: Some(a.retrievals.len()),
                         },
                     },

@@ -51,6 +51,11 @@ pub struct Metrics {
     /// Batched decode steps, and the rows they ran (mean batch = rows / steps).
     pub batch_steps: Gauge,
     pub batch_rows: Gauge,
+    /// Requests that continued a shared prefix, the prompt tokens they did not prefill,
+    /// and the bytes the prefix cache holds.
+    pub prefix_hits: Gauge,
+    pub prefix_tokens: Gauge,
+    pub prefix_bytes: Gauge,
 }
 
 impl Default for Metrics {
@@ -64,7 +69,7 @@ impl Default for Metrics {
         let kv_resident_bytes = Family::<PolicyLabel, Gauge>::default();
         let cancelled = Family::<ReasonLabel, Counter>::default();
         let retrievals = Counter::default();
-        let gauges: [Gauge; 6] = Default::default();
+        let gauges: [Gauge; 9] = Default::default();
         for (name, help, g) in [
             (
                 "kv_budget_bytes",
@@ -88,10 +93,21 @@ impl Default for Metrics {
                 "Sequence steps run in batched decode steps",
                 &gauges[5],
             ),
+            (
+                "prefix_hits",
+                "Requests that continued a shared prefix",
+                &gauges[6],
+            ),
+            (
+                "prefix_tokens",
+                "Prompt tokens taken from shared prefixes",
+                &gauges[7],
+            ),
+            ("prefix_bytes", "Bytes the prefix cache holds", &gauges[8]),
         ] {
             registry.register(name, help, g.clone());
         }
-        let [kv_budget_bytes, kv_reserved_bytes, kv_used_bytes, batch_size, batch_steps, batch_rows] =
+        let [kv_budget_bytes, kv_reserved_bytes, kv_used_bytes, batch_size, batch_steps, batch_rows, prefix_hits, prefix_tokens, prefix_bytes] =
             gauges;
         registry.register(
             "requests",
@@ -149,6 +165,9 @@ impl Default for Metrics {
             batch_size,
             batch_steps,
             batch_rows,
+            prefix_hits,
+            prefix_tokens,
+            prefix_bytes,
         }
     }
 }

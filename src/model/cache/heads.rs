@@ -154,6 +154,26 @@ impl HeadCache {
         Ok(cache)
     }
 
+    /// The same cache made ready for a sequence of `capacity` positions in all (a copy
+    /// of a shared prefix continued by another request): every store gets the room
+    /// [`HeadCache::new`] would give it, and the peak restarts from what it holds. A
+    /// cache a press evicted from is refused.
+    pub fn with_capacity(mut self, capacity: usize) -> Result<Self> {
+        if self.stores.iter().any(|s| s.is_pressed()) {
+            return Err(Error::invalid(
+                "cache",
+                "a pressed cache cannot be continued by another sequence",
+            ));
+        }
+        let capacity = capacity.clamp(self.len.max(1), self.max_len);
+        for store in &mut self.stores {
+            store.reserve(capacity);
+        }
+        self.capacity = capacity;
+        self.peak = self.bytes();
+        Ok(self)
+    }
+
     /// Positions stored so far.
     pub fn len(&self) -> usize {
         self.len
@@ -302,5 +322,55 @@ mod tests {
             }
         }
         assert!(HeadCache::projected_bytes(&tiny(), &[], RowFormat::F32, 4).is_err());
+    }
+
+    /// A cache of `capacity` positions with `filled` positions stored in every store.
+    fn filled(
+        cfg: &Config,
+        retention: &[Retention],
+        format: RowFormat,
+        capacity: usize,
+        filled: usize,
+    ) -> HeadCache {
+        let mut cache = HeadCache::new(cfg, retention, format, capacity).unwrap();
+        for pos in 0..filled {
+            let row: Vec<f32> = (0..cfg.d_head)
+                .map(|i| (pos * 7 + i) as f32 / 10.0)
+                .collect();
+            for layer in 0..cfg.n_layers {
+                for h in 0..cfg.n_kv_heads {
+                    cache.store_mut(layer, h).push(pos, &row, &row);
+                }
+            }
+            cache.commit(1);
+        }
+        cache
+    }
+
+    #[test]
+    fn a_copied_cache_made_ready_for_more_positions_holds_what_a_new_one_would() {
+        let cfg = tiny();
+        let n = cfg.n_layers * cfg.n_kv_heads;
+        let kinds = [
+            Retention::Full,
+            Retention::Stream { sink: 2, window: 9 },
+            Retention::Tiered {
+                sink: 1,
+                window: 3,
+                cold: RowFormat::F16,
+            },
+        ];
+        let retention: Vec<Retention> = (0..n).map(|i| kinds[i % 3]).collect();
+        for format in [RowFormat::F32, RowFormat::Q8_0] {
+            let copy = filled(&cfg, &retention, format, 6, 6).clone();
+            let ready = copy.with_capacity(40).unwrap();
+            let fresh = filled(&cfg, &retention, format, 40, 6);
+            assert_eq!(ready.bytes(), fresh.bytes(), "{format:?}");
+            assert_eq!(ready.peak_bytes(), ready.bytes());
+            assert_eq!(ready.len(), 6);
+        }
+        let mut pressed = filled(&cfg, &vec![Retention::Full; n], RowFormat::F32, 8, 8);
+        pressed.keep(0, 0, &[0, 3]).unwrap();
+        assert!(pressed.with_capacity(20).is_err());
     }
 }

@@ -81,6 +81,23 @@ impl Rows {
         Self { d, data }
     }
 
+    /// Room for `rows` rows in all, allocated exactly (nothing changes when there is
+    /// room already): a copied store made ready for the positions still to come.
+    pub(crate) fn reserve_rows(&mut self, rows: usize) {
+        fn room<T>(v: &mut Vec<T>, n: usize) {
+            v.reserve_exact(n.saturating_sub(v.len()));
+        }
+        let (d, blocks) = (self.d, self.d.div_ceil(Q8_BLOCK));
+        match &mut self.data {
+            Data::F32(v) => room(v, rows * d),
+            Data::F16(v) => room(v, rows * d),
+            Data::Q8 { q, d: scales } => {
+                room(q, rows * d);
+                room(scales, rows * blocks);
+            }
+        }
+    }
+
     fn format(&self) -> RowFormat {
         match self.data {
             Data::F32(_) => RowFormat::F32,

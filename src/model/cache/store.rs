@@ -127,6 +127,21 @@ impl HeadStore {
         }
     }
 
+    /// Room for a sequence of `capacity` positions, as [`HeadStore::new`] would have
+    /// allocated it (for a store no press has evicted from).
+    pub(crate) fn reserve(&mut self, capacity: usize) {
+        let rows = match self.ring() {
+            None => capacity,
+            Some((sink, window)) => (sink + window).min(capacity),
+        };
+        self.keys.reserve_rows(rows);
+        self.values.reserve_rows(rows);
+        if let Some((k, v)) = &mut self.cold {
+            k.reserve_rows(capacity);
+            v.reserve_rows(capacity);
+        }
+    }
+
     /// `(sink, window)` of a ring, `None` for a full store.
     fn ring(&self) -> Option<(usize, usize)> {
         match self.retention {

@@ -1,0 +1,169 @@
+//! Shared prompt prefixes, prefilled and compressed once: a long document asked many
+//! questions is prefilled under a policy once, and later requests under the same policy
+//! whose prompts start with it continue from a copy of its per-head cache.
+//!
+//! A [`Prefix`] holds a whole number of the model's prefill chunks (a streaming
+//! prefill taken at its deepest chunk boundary), so a request continued from it runs the
+//! rest of its prompt in exactly the chunks a cold prefill would: its tokens are the
+//! same bits. Only policies that stream their prefill share prefixes (a press decides
+//! what to keep from the whole prompt, so its result does not continue). The
+//! [`PrefixCache`] keeps prefixes per policy under a byte cap, evicting the least
+//! recently used; a hit copies the prefix (the copy then grows on its own).
+
+use crate::model::HeadCache;
+
+/// A prefilled prompt prefix under one policy.
+#[derive(Debug, Clone)]
+pub struct Prefix {
+    /// The prefix's tokens (positions `0..tokens.len()`).
+    pub tokens: Vec<u32>,
+    /// The per-head cache holding them, no top-k restriction set.
+    pub cache: HeadCache,
+    /// The final hidden state `(d_model,)` of the last position, for a probe.
+    pub hidden: Option<Vec<f32>>,
+}
+
+impl Prefix {
+    /// Bytes its cache holds.
+    pub fn bytes(&self) -> usize {
+        self.cache.bytes().total()
+    }
+}
+
+struct Entry {
+    policy: String,
+    prefix: Prefix,
+    last_use: u64,
+}
+
+/// Prefixes of several policies under a byte cap, least recently used evicted first.
+#[derive(Default)]
+pub struct PrefixCache {
+    cap: usize,
+    entries: Vec<Entry>,
+    clock: u64,
+}
+
+impl PrefixCache {
+    /// An empty cache that holds at most `cap` bytes of prefixes (0: holds none).
+    pub fn new(cap: usize) -> Self {
+        Self {
+            cap,
+            entries: Vec::new(),
+            clock: 0,
+        }
+    }
+
+    /// A copy of the longest prefix of `policy` that `prompt` starts with, if any.
+    pub fn lookup(&mut self, policy: &str, prompt: &[u32]) -> Option<Prefix> {
+        self.clock += 1;
+        let clock = self.clock;
+        let best = self
+            .entries
+            .iter_mut()
+            .filter(|e| e.policy == policy && prompt.starts_with(&e.prefix.tokens))
+            .max_by_key(|e| e.prefix.tokens.len())?;
+        best.last_use = clock;
+        Some(best.prefix.clone())
+    }
+
+    /// Keep `prefix` of `policy` (replacing the same tokens' entry), evicting the least
+    /// recently used until it fits; one larger than the cap is not kept.
+    pub fn insert(&mut self, policy: &str, prefix: Prefix) {
+        if prefix.bytes() > self.cap {
+            return;
+        }
+        self.entries
+            .retain(|e| !(e.policy == policy && e.prefix.tokens == prefix.tokens));
+        while self.bytes() + prefix.bytes() > self.cap {
+            let Some(oldest) = self
+                .entries
+                .iter()
+                .enumerate()
+                .min_by_key(|(_, e)| e.last_use)
+                .map(|(i, _)| i)
+            else {
+                break;
+            };
+            self.entries.swap_remove(oldest);
+        }
+        self.clock += 1;
+        self.entries.push(Entry {
+            policy: policy.to_string(),
+            prefix,
+            last_use: self.clock,
+        });
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        self.entries.iter().map(|e| e.prefix.bytes()).sum()
+    }
+
+    /// Prefixes held.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether it holds none.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::config::tests::tiny;
+    use crate::model::{Retention, RowFormat};
+
+    fn prefix(tokens: &[u32]) -> Prefix {
+        let cfg = tiny();
+        let retention = vec![Retention::Full; cfg.n_layers * cfg.n_kv_heads];
+        Prefix {
+            tokens: tokens.to_vec(),
+            cache: HeadCache::new(&cfg, &retention, RowFormat::F32, tokens.len()).unwrap(),
+            hidden: None,
+        }
+    }
+
+    #[test]
+    fn the_longest_matching_prefix_of_the_same_policy_is_found() {
+        let mut cache = PrefixCache::new(usize::MAX);
+        cache.insert("a", prefix(&[1, 2]));
+        cache.insert("a", prefix(&[1, 2, 3, 4]));
+        cache.insert("b", prefix(&[1, 2, 3, 4, 5]));
+        cache.insert("a", prefix(&[9, 9, 9]));
+        let hit = cache.lookup("a", &[1, 2, 3, 4, 5, 6]).unwrap();
+        assert_eq!(hit.tokens, [1, 2, 3, 4]);
+        assert_eq!(cache.lookup("a", &[1, 2, 7]).unwrap().tokens, [1, 2]);
+        assert!(cache.lookup("a", &[2, 1]).is_none());
+        assert!(cache.lookup("c", &[1, 2, 3]).is_none());
+        // The same tokens again replace their entry.
+        cache.insert("a", prefix(&[1, 2]));
+        assert_eq!(cache.len(), 4);
+    }
+
+    #[test]
+    fn the_least_recently_used_prefix_goes_first_and_the_cap_holds() {
+        let one = prefix(&[1; 8]).bytes();
+        let mut cache = PrefixCache::new(2 * one);
+        cache.insert("a", prefix(&[1; 8]));
+        cache.insert("a", prefix(&[2; 8]));
+        assert!(cache.lookup("a", &[1; 9]).is_some());
+        cache.insert("a", prefix(&[3; 8]));
+        assert_eq!(cache.len(), 2);
+        assert!(cache.bytes() <= 2 * one);
+        assert!(
+            cache.lookup("a", &[2; 9]).is_none(),
+            "[2; 8] was the oldest in use"
+        );
+        assert!(cache.lookup("a", &[1; 9]).is_some());
+        // Larger than the whole cap: not kept; a cap of 0 keeps nothing.
+        cache.insert("a", prefix(&[4; 40]));
+        assert!(cache.lookup("a", &[4; 41]).is_none());
+        let mut off = PrefixCache::new(0);
+        off.insert("a", prefix(&[1; 8]));
+        assert!(off.is_empty());
+    }
+}
