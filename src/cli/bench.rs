@@ -802,12 +802,21 @@ fn serve(args: &BenchArgs) -> anyhow::Result<()> {
             );
         }))?);
     }
+    let made = made.ok_or_else(|| anyhow::anyhow!("no server was measured"))?;
+    let out = out_dir(args.out.as_ref(), &id, "serve-bench");
     if let Some(bin) = &args.llama_bench {
-        // The anchor: llama.cpp's own server from the same folder, one slot per client.
+        // headwise's rows are kept whatever happens to the anchor.
+        bench::write_report(&out, &id, &rows, &made)?;
+        // The anchor: llama.cpp's own server from the same folder, one slot per client,
+        // each slot's context the longest request (document, template, question) and its
+        // new tokens.
         use headwise::reference::llama_cpp::{Attention, LlamaCppBins, LlamaServer};
         let bins = LlamaCppBins::find(bin.parent(), &path)?;
-        let ctx = top * (args.prompt_tokens[0] + args.decode_tokens + 256);
-        let server = LlamaServer::start_parallel(&bins, &path, ctx, 2, Attention::Default, top)?;
+        let lm = headwise::model::LoadedModel::load(&path, headwise::model::Numerics::Fast)?;
+        let slot = lm.encode(&opts.prompt, true)?.len() + 128 + args.decode_tokens;
+        drop(lm);
+        let server =
+            LlamaServer::start_parallel(&bins, &path, top * slot, 2, Attention::Default, top)?;
         rows.extend(
             rt.block_on(bench::run_anchor(server.base(), top, &opts, &mut |r| {
                 eprintln!(
@@ -817,8 +826,6 @@ fn serve(args: &BenchArgs) -> anyhow::Result<()> {
             }))?,
         );
     }
-    let made = made.ok_or_else(|| anyhow::anyhow!("no server was measured"))?;
-    let out = out_dir(args.out.as_ref(), &id, "serve-bench");
     bench::write_report(&out, &id, &rows, &made)?;
     eprintln!("wrote {}", out.display());
     Ok(())

@@ -53,24 +53,11 @@ impl HeadCache {
         capacity: usize,
     ) -> Result<Self> {
         let n = cfg.n_layers * cfg.n_kv_heads;
-        if retention.len() != n {
-            return Err(Error::invalid(
-                "retention",
-                format!("{} entries for {n} KV heads", retention.len()),
-            ));
-        }
         let capacity = capacity.clamp(1, cfg.context_length);
-        let mut stores = Vec::with_capacity(n);
-        for (i, &r) in retention.iter().enumerate() {
-            let r = match cfg.layer(i / cfg.n_kv_heads).window {
-                Some(window) => Retention::Stream { sink: 0, window },
-                None => r,
-            };
-            if let Retention::Stream { window: 0, .. } | Retention::Tiered { window: 0, .. } = r {
-                return Err(Error::invalid("window", "0 (must be at least 1)"));
-            }
-            stores.push(HeadStore::new(r, format, cfg.d_head, capacity));
-        }
+        let stores = effective(cfg, retention)?
+            .into_iter()
+            .map(|r| HeadStore::new(r, format, cfg.d_head, capacity))
+            .collect();
         Ok(Self {
             stores,
             n_kv_heads: cfg.n_kv_heads,
@@ -94,24 +81,10 @@ impl HeadCache {
         format: RowFormat,
         capacity: usize,
     ) -> Result<KvBytes> {
-        let n = cfg.n_layers * cfg.n_kv_heads;
-        if retention.len() != n {
-            return Err(Error::invalid(
-                "retention",
-                format!("{} entries for {n} KV heads", retention.len()),
-            ));
-        }
         let capacity = capacity.clamp(1, cfg.context_length);
-        Ok(retention
-            .iter()
-            .enumerate()
-            .map(|(i, &r)| {
-                let r = match cfg.layer(i / cfg.n_kv_heads).window {
-                    Some(window) => Retention::Stream { sink: 0, window },
-                    None => r,
-                };
-                HeadStore::projected(r, format, cfg.d_head, capacity)
-            })
+        Ok(effective(cfg, retention)?
+            .into_iter()
+            .map(|r| HeadStore::projected(r, format, cfg.d_head, capacity))
             .fold(KvBytes::default(), |acc, b| KvBytes {
                 hot: acc.hot + b.hot,
                 cold: acc.cold + b.cold,
@@ -283,6 +256,35 @@ impl HeadCache {
         self.len += q;
         self.peak = self.peak.max(self.bytes());
     }
+}
+
+/// The retention each store of `cfg` gets for `retention` (one entry per `layer *
+/// n_kv_heads + kv_head`): a sliding-window layer keeps its window whatever was asked.
+/// A count that does not fit or a window of 0 is an error.
+fn effective(cfg: &Config, retention: &[Retention]) -> Result<Vec<Retention>> {
+    let n = cfg.n_layers * cfg.n_kv_heads;
+    if retention.len() != n {
+        return Err(Error::invalid(
+            "retention",
+            format!("{} entries for {n} KV heads", retention.len()),
+        ));
+    }
+    retention
+        .iter()
+        .enumerate()
+        .map(|(i, &r)| {
+            let r = match cfg.layer(i / cfg.n_kv_heads).window {
+                Some(window) => Retention::Stream { sink: 0, window },
+                None => r,
+            };
+            match r {
+                Retention::Stream { window: 0, .. } | Retention::Tiered { window: 0, .. } => {
+                    Err(Error::invalid("window", "0 (must be at least 1)"))
+                }
+                r => Ok(r),
+            }
+        })
+        .collect()
 }
 
 #[cfg(test)]
