@@ -212,6 +212,11 @@ impl Runtime {
         &self.lm
     }
 
+    /// The model with its tokenizer, shared (no copy).
+    pub fn shared_model(&self) -> Arc<LoadedModel> {
+        Arc::clone(&self.lm)
+    }
+
     /// The model file's identity.
     pub fn model_id(&self) -> &ModelId {
         &self.id

@@ -16,6 +16,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tokio::sync::{oneshot, OwnedSemaphorePermit, Semaphore};
 
+use crate::model::LoadedModel;
 use crate::policy::{
     GenerateOutput, GenerateRequest, Runtime, Scheduler, SchedulerConfig, Sink, Step,
 };
@@ -309,7 +310,7 @@ impl Engine {
             matcher: StopMatcher::new(job.stops),
             top_logprobs: job.top_logprobs,
             logprobs: Vec::new(),
-            lm: self.runtime(Some(&job.policy))?.1.clone(),
+            lm: self.runtime(Some(&job.policy))?.1.shared_model(),
             abort: Arc::clone(&self.abort),
             deadline,
             start,
@@ -349,8 +350,8 @@ struct Generation {
     matcher: StopMatcher,
     top_logprobs: Option<usize>,
     logprobs: Vec<TokenLogprob>,
-    /// The runtime, for the tokenizer of log-probabilities.
-    lm: Runtime,
+    /// The model's tokenizer, for log-probabilities.
+    lm: Arc<LoadedModel>,
     abort: Arc<AtomicBool>,
     deadline: Instant,
     start: Instant,
@@ -660,7 +661,7 @@ impl Drop for KvTracker {
 
 /// The log-probability of the step's token and of the `n` likeliest tokens, from the
 /// log-softmax of the model's logits (before temperature and top-p).
-fn token_logprob(rt: &Runtime, step: &Step, n: usize) -> crate::Result<TokenLogprob> {
+fn token_logprob(lm: &LoadedModel, step: &Step, n: usize) -> crate::Result<TokenLogprob> {
     let logits: Vec<f32> = step
         .logits
         .flatten_all()?
@@ -677,7 +678,7 @@ fn token_logprob(rt: &Runtime, step: &Step, n: usize) -> crate::Result<TokenLogp
     order.truncate(n);
     order.sort_by(by_logit);
     let entry = |id: u32| -> crate::Result<TopLogprob> {
-        let token = rt.model().decode(&[id])?;
+        let token = lm.decode(&[id])?;
         Ok(TopLogprob {
             bytes: token.as_bytes().to_vec(),
             token,
