@@ -122,6 +122,17 @@ fn collect(
     (done, most)
 }
 
+/// Whether `load` comes to nothing running and nothing reserved within [`WAIT`].
+fn settles(load: &headwise::policy::Load) -> bool {
+    use std::sync::atomic::Ordering::Relaxed;
+    let settled = || load.running.load(Relaxed) == 0 && load.reserved_bytes.load(Relaxed) == 0;
+    let t0 = std::time::Instant::now();
+    while !settled() && t0.elapsed() < WAIT {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    settled()
+}
+
 #[test]
 fn batched_generations_equal_each_alone_and_leave_when_cancelled() {
     let runtimes = runtimes();
@@ -203,19 +214,8 @@ fn batched_generations_equal_each_alone_and_leave_when_cancelled() {
     );
     assert_eq!(cancelled.tokens, alone[0].tokens[..3]);
     let load = scheduler.load();
-    let settled = || {
-        load.running.load(std::sync::atomic::Ordering::Relaxed) == 0
-            && load
-                .reserved_bytes
-                .load(std::sync::atomic::Ordering::Relaxed)
-                == 0
-    };
-    let t0 = std::time::Instant::now();
-    while !settled() && t0.elapsed() < WAIT {
-        std::thread::sleep(Duration::from_millis(10));
-    }
     assert!(
-        settled(),
+        settles(load),
         "the finished sequences still hold their reservation"
     );
     let steps = load.steps.load(std::sync::atomic::Ordering::Relaxed);
@@ -354,4 +354,176 @@ fn a_shared_prefix_is_prefilled_once_and_continued_to_the_same_tokens() {
         3
     );
     assert!(load.prefix_bytes.load(std::sync::atomic::Ordering::Relaxed) > 0);
+}
+
+/// Keeps every token's explanation.
+struct Explained {
+    tx: Sender<(usize, Vec<headwise::policy::TokenExplain>, Vec<u32>)>,
+    id: usize,
+    explain: Vec<headwise::policy::TokenExplain>,
+}
+
+impl Sink for Explained {
+    fn token(&mut self, step: &Step) -> bool {
+        self.explain
+            .push(step.explain.cloned().expect("an explained step"));
+        true
+    }
+
+    fn done(self: Box<Self>, result: headwise::Result<GenerateOutput>) {
+        let tokens = result.unwrap().tokens;
+        let _ = self.tx.send((self.id, self.explain, tokens));
+    }
+}
+
+#[test]
+fn explained_tokens_are_the_same_in_a_batch_and_the_retrieval_heads_read_the_needle() {
+    use headwise::policy::ranking::Ranking;
+    use headwise::policy::ExplainConfig;
+    let runtimes = runtimes();
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let name = &runtimes["full"].model_id().name;
+    let ranking =
+        Ranking::load(&root.join(format!("policies/rankings/{name}/locos-niah.json"))).unwrap();
+    let cfg = ExplainConfig {
+        heads: ranking.ordered()[..4].to_vec(),
+        positions: 2,
+        context: 2,
+        probe_heads: 4,
+    };
+    let notes = headwise::synthetic::synthetic_notes(60, Some(30));
+    let question = "What is the secret number of the archive? Answer with the number.";
+    let mut req = GenerateRequest::new(
+        Prompt::Chat(vec![headwise::model::chat::ChatMessage {
+            role: "user".into(),
+            content: format!("{notes}\n{question}"),
+        }]),
+        16,
+    );
+    req.explain = Some(cfg);
+    let plain = GenerateRequest {
+        explain: None,
+        ..req.clone()
+    };
+    let policies = ["full", "static-locos"];
+    // Alone: explaining changes no token.
+    let mut alone = Vec::new();
+    for p in policies {
+        let mut explain = Vec::new();
+        let out = runtimes[p]
+            .generate(&req, &mut |s| {
+                explain.push(s.explain.cloned().unwrap());
+                true
+            })
+            .unwrap();
+        let unexplained = runtimes[p].generate(&plain, &mut |_| true).unwrap();
+        assert_eq!(out.tokens, unexplained.tokens, "{p}");
+        assert_eq!(explain.len(), out.tokens.len());
+        alone.push((explain, out.tokens));
+    }
+    // Batched together with two unexplained requests: the same tokens and explanations.
+    let scheduler = Scheduler::new(runtimes.clone(), SchedulerConfig::default()).unwrap();
+    let (tx, rx) = channel();
+    for (id, p) in policies.iter().enumerate() {
+        let sink = Box::new(Explained {
+            tx: tx.clone(),
+            id,
+            explain: Vec::new(),
+        });
+        scheduler.submit(p, &req, sink).unwrap();
+        let (tx_other, _rx_other) = channel();
+        let other = Box::new(Probe {
+            id: 10 + id,
+            tx: tx_other,
+            tokens: 0,
+            stop_after: None,
+        });
+        scheduler.submit(p, &request(id), other).unwrap();
+    }
+    for _ in policies {
+        let (id, explain, tokens) = rx.recv_timeout(WAIT).expect("no explained generation");
+        assert_eq!(
+            (&explain, &tokens),
+            (&alone[id].0, &alone[id].1),
+            "{}",
+            policies[id]
+        );
+    }
+    // The answer's first digit: some top retrieval head reads the needle most (its text,
+    // two tokens either side; digits are tokens of their own, and "481" is nowhere else
+    // in the notes).
+    let (explain, tokens) = &alone[0];
+    let lm = runtimes["full"].model();
+    let text = lm.decode(tokens).unwrap();
+    assert!(text.contains("4817"), "{text}");
+    let first_digit = tokens
+        .iter()
+        .position(|&t| lm.decode(&[t]).unwrap().contains('4'))
+        .unwrap();
+    let reads: Vec<&str> = explain[first_digit]
+        .heads
+        .iter()
+        .map(|h| h.reads[0].text.as_str())
+        .collect();
+    assert!(
+        reads
+            .iter()
+            .any(|t| t.contains("481") || t.contains("secret") || t.contains("archive")),
+        "{reads:?}"
+    );
+}
+
+#[test]
+fn a_stream_gives_the_tokens_of_a_run_alone_and_dropping_it_cancels() {
+    use futures_util::StreamExt;
+    use headwise::policy::StreamEvent;
+    let runtimes = runtimes();
+    let alone = runtimes["static-locos"]
+        .generate(&request(1), &mut |_| true)
+        .unwrap();
+    let scheduler = Scheduler::new(runtimes, SchedulerConfig::default()).unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let mut kept = scheduler.stream("static-locos", &request(1)).unwrap();
+        // 200 tokens unless cancelled.
+        let mut long = request(2);
+        long.max_tokens = 200;
+        let mut dropped = scheduler.stream("full", &long).unwrap();
+        // The dropped one: admitted, two tokens, then the stream goes away.
+        let mut seen = 0;
+        while seen < 2 {
+            match tokio::time::timeout(WAIT, dropped.next()).await.unwrap() {
+                Some(StreamEvent::Token { .. }) => seen += 1,
+                Some(StreamEvent::Admitted) => {}
+                other => panic!("{other:?} before two tokens"),
+            }
+        }
+        drop(dropped);
+        let (mut admitted, mut tokens, mut text, mut out) =
+            (false, Vec::new(), String::new(), None);
+        while let Some(event) = tokio::time::timeout(WAIT, kept.next()).await.unwrap() {
+            match event {
+                StreamEvent::Admitted => admitted = true,
+                StreamEvent::Token { token, text: t, .. } => {
+                    tokens.push(token);
+                    text.push_str(&t);
+                }
+                StreamEvent::Done(o) => out = Some(o.unwrap()),
+            }
+        }
+        let out = out.expect("a Done event");
+        assert!(admitted);
+        assert_eq!(tokens, alone.tokens);
+        assert_eq!((&out.text, &text), (&alone.text, &alone.text));
+    });
+    // The dropped stream's sequence left the batch and returned its reservation.
+    let load = scheduler.load();
+    assert!(settles(load), "the dropped stream still holds its place");
+    // It stopped long before its 200 tokens: the rows stepped are the kept stream's and
+    // a few of the dropped one's.
+    let rows = load.rows.load(std::sync::atomic::Ordering::Relaxed) as usize;
+    assert!(rows < alone.tokens.len() + 100, "{rows} rows stepped");
 }

@@ -685,3 +685,94 @@ fn a_shared_document_is_prefilled_once_and_a_request_beyond_the_kv_budget_is_a_4
     );
     assert_eq!(server.metric("headwise_kv_reserved_bytes"), 0.0);
 }
+
+#[test]
+fn explain_points_each_token_back_into_the_prompt() {
+    let server = Server::start("explain", &config(""));
+    let notes: String = (1..=40)
+        .map(|i| format!("Note {i}: a traveller found an old clock in Oslo on day {i}.\n"))
+        .collect();
+    let content = format!("{notes}\nWhich city is named in note 7? Answer with the city.");
+    let mut body = chat_body(&content, 6, true);
+    body["headwise"]["explain"] = json!({"heads": 2, "positions": 3, "context": 2});
+    let (events, done) = sse_events(post(&server, "/v1/chat/completions", &body));
+    assert!(done, "{events:?}");
+    let (_, _, usage) = streamed(&events);
+    let usage = usage.unwrap();
+    let explained: Vec<Value> = events
+        .iter()
+        .filter_map(|e| e["choices"][0]["headwise"]["explain"].as_array().cloned())
+        .flatten()
+        .collect();
+    // One explanation per generated token, streamed with the tokens.
+    assert_eq!(
+        explained.len() as u64,
+        usage["completion_tokens"].as_u64().unwrap()
+    );
+    let prompt_tokens = usage["prompt_tokens"].as_u64().unwrap();
+    for e in &explained {
+        let entropy = e["entropy"].as_f64().unwrap();
+        assert!(entropy.is_finite() && entropy >= 0.0, "{e}");
+        let heads = e["heads"].as_array().unwrap();
+        assert_eq!(heads.len(), 2, "{e}");
+        for h in heads {
+            let reads = h["reads"].as_array().unwrap();
+            assert_eq!(reads.len(), 3, "{e}");
+            let weights: Vec<f64> = reads
+                .iter()
+                .map(|r| r["weight"].as_f64().unwrap())
+                .collect();
+            assert!(weights.windows(2).all(|w| w[0] >= w[1]), "{e}");
+            for r in reads {
+                assert!(r["position"].as_u64().unwrap() < prompt_tokens, "{e}");
+                assert!((0.0..=1.0).contains(&r["weight"].as_f64().unwrap()), "{e}");
+                assert!(!r["text"].as_str().unwrap().is_empty(), "{e}");
+            }
+        }
+        // `full` runs no probe.
+        assert!(e.get("probe").is_none(), "{e}");
+    }
+    // A whole response carries them on its choice; a policy's tokens are the same with
+    // and without explain.
+    let whole = |explain: bool| -> Value {
+        let mut body = chat_body(&content, 6, false);
+        body["headwise"]["policy"] = json!("static-locos");
+        if explain {
+            body["headwise"]["explain"] = json!(true);
+        }
+        post(&server, "/v1/chat/completions", &body).json().unwrap()
+    };
+    let (with, without) = (whole(true), whole(false));
+    let choice = &with["choices"][0];
+    assert_eq!(
+        choice["message"]["content"],
+        without["choices"][0]["message"]["content"]
+    );
+    assert_eq!(choice["headwise"]["explain"].as_array().unwrap().len(), 6);
+    assert_eq!(
+        choice["headwise"]["explain"][0]["heads"]
+            .as_array()
+            .unwrap()
+            .len(),
+        4
+    );
+    assert!(without["choices"][0].get("headwise").is_none(), "{without}");
+    // Bad requests name the field.
+    for (explain, param) in [
+        (json!({"heads": 0}), "headwise.explain.heads"),
+        (json!({"positions": 100}), "headwise.explain.positions"),
+        (
+            json!({"heads": 2, "depth": 1}),
+            "explain: unknown field `depth`",
+        ),
+        (json!("yes"), "explain must be"),
+    ] {
+        let mut body = chat_body("hi", 2, false);
+        body["headwise"]["explain"] = explain;
+        let (s, e) = error_of(post(&server, "/v1/chat/completions", &body));
+        assert_eq!(s, 400, "{e}");
+        let named =
+            e["param"].as_str() == Some(param) || e["message"].as_str().unwrap().contains(param);
+        assert!(named, "{e}");
+    }
+}

@@ -44,7 +44,8 @@ pub struct BenchArgs {
     /// What to measure [default: prefill and decode speed of the engines].
     #[arg(value_enum)]
     what: Option<BenchWhat>,
-    /// Prompt lengths in tokens.
+    /// Prompt lengths in tokens (`bench serve`: the first is the document's length, in
+    /// whole notes, before the chat template and the request's own line).
     #[arg(long, value_delimiter = ',', default_value = "512,2048")]
     prompt_tokens: Vec<usize>,
     /// Tokens generated per measurement.
@@ -82,6 +83,17 @@ pub struct BenchArgs {
     /// server each.
     #[arg(long, value_delimiter = ',', default_value = "256")]
     prefix_cache_mib: Vec<f64>,
+    /// `bench serve`: the server's KV budgets to compare (MiB), one server each
+    /// [default: no budget].
+    #[arg(long, value_delimiter = ',')]
+    kv_budget_mib: Vec<f64>,
+    /// `bench serve`: prompt positions the server prefills per scheduler iteration.
+    #[arg(long)]
+    prefill_tokens: Option<usize>,
+    /// `bench serve`: measure every policy's levels a second time with per-token
+    /// introspection (`"headwise": {"explain": true}`): its cost.
+    #[arg(long)]
+    explain: bool,
     /// `bench serve`: every request is one document followed by its own question
     /// (a shared prefix) instead of its own first line followed by the document.
     #[arg(long)]
@@ -753,22 +765,49 @@ fn serve(args: &BenchArgs) -> anyhow::Result<()> {
         false => args.max_batch.clone(),
     };
     let id = ModelId::of_file(&path)?;
+    // The document: whole notes, as many as fit in the first --prompt-tokens.
+    let lm = headwise::model::LoadedModel::load(&path, headwise::model::Numerics::Fast)?;
+    let want = args.prompt_tokens[0];
+    let tokens = |notes: usize| -> anyhow::Result<usize> {
+        Ok(lm.encode(&synthetic_notes(notes, None), false)?.len())
+    };
+    let mut notes = (want / 26).max(1);
+    while notes > 1 && tokens(notes)? > want {
+        notes -= 1;
+    }
+    while tokens(notes + 1)? <= want {
+        notes += 1;
+    }
+    let document = synthetic_notes(notes, None);
+    // llama-server's slots: the longest request (document, template, question) and its
+    // new tokens.
+    let slot = lm.encode(&document, true)?.len() + 128 + args.decode_tokens;
+    drop(lm);
     let opts = BenchOptions {
         concurrency: args.concurrency.clone(),
         policies: args.policies.clone(),
         requests: args.requests,
-        prompt: synthetic_notes(args.prompt_tokens[0] / 17, None),
+        prompt: document,
         max_tokens: args.decode_tokens,
         shared: args.shared_prefix,
+        explain: args.explain,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
     let (mut rows, mut made) = (Vec::new(), None);
-    let servers = batches
-        .iter()
-        .flat_map(|&b| args.prefix_cache_mib.iter().map(move |&p| (b, p)));
-    for (max_batch, prefix_cache_mib) in servers {
+    let budgets: Vec<Option<f64>> = match args.kv_budget_mib.is_empty() {
+        true => vec![None],
+        false => args.kv_budget_mib.iter().map(|&m| Some(m)).collect(),
+    };
+    let budgets = &budgets;
+    let servers = batches.iter().flat_map(|&b| {
+        args.prefix_cache_mib
+            .iter()
+            .flat_map(move |&p| budgets.iter().map(move |&k| (b, p, k)))
+    });
+    let defaults = ServeConfig::default();
+    for (max_batch, prefix_cache_mib, kv_budget_mib) in servers {
         // Every client gets a place in the batch or the queue.
         let cfg = ServeConfig {
             model: Some(path.clone()),
@@ -776,6 +815,8 @@ fn serve(args: &BenchArgs) -> anyhow::Result<()> {
             max_concurrency: max_batch,
             max_queue: top.saturating_sub(max_batch),
             prefix_cache_mib,
+            kv_budget_mib,
+            prefill_tokens: args.prefill_tokens.unwrap_or(defaults.prefill_tokens),
             ..ServeConfig::default()
         };
         cfg.validate()?;
@@ -787,18 +828,21 @@ fn serve(args: &BenchArgs) -> anyhow::Result<()> {
         made.get_or_insert_with(|| Made::now(runtime.model().model.numerics().name()));
         rows.extend(rt.block_on(bench::run(engine, &cfg, &opts, &mut |r| {
             eprintln!(
-                "{} max batch {} prefix cache {} MiB x{}: {} requests in {:.1} s, {:.2} req/s, \
-                 {:.1} tok/s, TTFT {:.2} s, mean batch {:.1}",
+                "{}{} max batch {} prefix cache {} MiB KV budget {} MiB x{}: {} requests in {:.1} s, \
+                 {:.2} req/s, {:.1} tok/s, TTFT {:.2} s, mean batch {:.1}, peak {:.0}",
                 r.policy,
+                if r.explain { " + explain" } else { "" },
                 r.max_batch,
                 r.prefix_cache_mib,
+                r.kv_budget_mib,
                 r.concurrency,
                 r.requests,
                 r.wall_secs,
                 r.requests_per_s,
                 r.tokens_per_s,
                 r.mean_ttft_s,
-                r.mean_batch
+                r.mean_batch,
+                r.peak_batch
             );
         }))?);
     }
@@ -807,14 +851,9 @@ fn serve(args: &BenchArgs) -> anyhow::Result<()> {
     if let Some(bin) = &args.llama_bench {
         // headwise's rows are kept whatever happens to the anchor.
         bench::write_report(&out, &id, &rows, &made)?;
-        // The anchor: llama.cpp's own server from the same folder, one slot per client,
-        // each slot's context the longest request (document, template, question) and its
-        // new tokens.
+        // The anchor: llama.cpp's own server from the same folder, one slot per client.
         use headwise::reference::llama_cpp::{Attention, LlamaCppBins, LlamaServer};
         let bins = LlamaCppBins::find(bin.parent(), &path)?;
-        let lm = headwise::model::LoadedModel::load(&path, headwise::model::Numerics::Fast)?;
-        let slot = lm.encode(&opts.prompt, true)?.len() + 128 + args.decode_tokens;
-        drop(lm);
         let server =
             LlamaServer::start_parallel(&bins, &path, top * slot, 2, Attention::Default, top)?;
         rows.extend(

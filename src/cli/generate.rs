@@ -134,6 +134,7 @@ fn with_policy(
         max_tokens: args.max_tokens,
         sampling,
         ignore_eos: false,
+        explain: None,
     };
     let mut stdout = std::io::stdout().lock();
     let out = runtime.generate(&request, &mut |step| {

@@ -20,6 +20,9 @@ use crate::results::{write_atomic, write_experiment, ResultRecord, SCHEMA_VERSIO
 use crate::serve::{serve, Engine, ServeConfig};
 use crate::{Error, Result};
 
+/// The anchor's rows' policy.
+const ANCHOR: &str = "llama-server";
+
 /// What to measure.
 #[derive(Debug, Clone, PartialEq)]
 pub struct BenchOptions {
@@ -36,6 +39,8 @@ pub struct BenchOptions {
     /// Every request is `prompt` followed by its own question (a shared prefix), instead
     /// of its own first line followed by `prompt`.
     pub shared: bool,
+    /// Measure every headwise level a second time with `"explain": true`.
+    pub explain: bool,
 }
 
 /// One level's totals.
@@ -48,6 +53,12 @@ pub struct BenchRow {
     /// The server's prefix cache, MiB (0: off).
     #[serde(default)]
     pub prefix_cache_mib: f64,
+    /// The server's KV budget, MiB (0: none).
+    #[serde(default)]
+    pub kv_budget_mib: f64,
+    /// Every request asked for per-token introspection (`"explain": true`).
+    #[serde(default)]
+    pub explain: bool,
     pub concurrency: usize,
     pub requests: usize,
     pub prompt_tokens: usize,
@@ -72,6 +83,12 @@ pub struct BenchRow {
     /// Mean sequences per batched decode step over the level.
     #[serde(default)]
     pub mean_batch: f64,
+    /// The most sequences in the batch at once, and the most KV bytes reserved for them,
+    /// as sampled every 20 ms during the level (0 for llama-server: not known).
+    #[serde(default)]
+    pub peak_batch: f64,
+    #[serde(default)]
+    pub peak_reserved_bytes: f64,
 }
 
 /// One request's numbers.
@@ -116,16 +133,24 @@ pub async fn run(
     });
     let url = format!("http://{addr}/v1/chat/completions");
     let mut rows = Vec::new();
+    let explain = match opts.explain {
+        true => vec![false, true],
+        false => vec![false],
+    };
     for policy in &opts.policies {
-        let target = Target {
-            url: url.clone(),
-            key: cfg.api_keys.first().cloned(),
-            policy: Some(policy.clone()),
-            engine: Some(&engine),
-            max_batch: cfg.max_concurrency,
-            prefix_cache_mib: cfg.prefix_cache_mib,
-        };
-        rows.extend(levels(&target, opts, progress).await?);
+        for &explain in &explain {
+            let target = Target {
+                url: url.clone(),
+                key: cfg.api_keys.first().cloned(),
+                policy: Some(policy.clone()),
+                engine: Some(&engine),
+                max_batch: cfg.max_concurrency,
+                prefix_cache_mib: cfg.prefix_cache_mib,
+                kv_budget_mib: cfg.kv_budget_mib.unwrap_or(0.0),
+                explain,
+            };
+            rows.extend(levels(&target, opts, progress).await?);
+        }
     }
     let _ = stop.send(());
     server
@@ -150,6 +175,8 @@ pub async fn run_anchor(
         engine: None,
         max_batch: parallel,
         prefix_cache_mib: 0.0,
+        kv_budget_mib: 0.0,
+        explain: false,
     };
     levels(&target, opts, progress).await
 }
@@ -164,6 +191,8 @@ struct Target<'a> {
     engine: Option<&'a Engine>,
     max_batch: usize,
     prefix_cache_mib: f64,
+    kv_budget_mib: f64,
+    explain: bool,
 }
 
 /// Every concurrency level of `opts` against `target`.
@@ -184,19 +213,37 @@ async fn levels(
         let n = opts.requests.max(2 * c);
         let (steps0, rows0) = batched(target.engine);
         let t0 = Instant::now();
-        let samples = level(&http, target, c, n, opts).await?;
+        let peak = std::cell::Cell::new((0.0f64, 0.0f64));
+        let watch = async {
+            let Some(e) = target.engine else {
+                return std::future::pending().await;
+            };
+            loop {
+                let m = e.metrics();
+                let (b, r) = peak.get();
+                peak.set((
+                    b.max(m.batch_size.get() as f64),
+                    r.max(m.kv_reserved_bytes.get() as f64),
+                ));
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            }
+        };
+        let samples = tokio::select! {
+            s = level(&http, target, c, n, opts) => s?,
+            never = watch => never,
+        };
         let wall = t0.elapsed().as_secs_f64();
+        let (peak_batch, peak_reserved_bytes) = peak.get();
         let (steps1, rows1) = batched(target.engine);
         let ttfts: Vec<f64> = samples.iter().map(|s| s.ttft).collect();
         let gaps: Vec<f64> = samples.iter().flat_map(|s| s.gaps.clone()).collect();
         let mean = |f: fn(&Sample) -> f64| samples.iter().map(f).sum::<f64>() / n as f64;
         let row = BenchRow {
-            policy: target
-                .policy
-                .clone()
-                .unwrap_or_else(|| "llama-server".into()),
+            policy: target.policy.clone().unwrap_or_else(|| ANCHOR.into()),
             max_batch: target.max_batch,
             prefix_cache_mib: target.prefix_cache_mib,
+            kv_budget_mib: target.kv_budget_mib,
+            explain: target.explain,
             concurrency: c,
             requests: n,
             prompt_tokens: samples.first().map_or(0, |s| s.prompt_tokens),
@@ -211,11 +258,28 @@ async fn levels(
             p50_itl_s: percentile(&gaps, 0.5),
             p95_itl_s: percentile(&gaps, 0.95),
             mean_batch: (rows1 - rows0) / (steps1 - steps0).max(1.0),
+            peak_batch,
+            peak_reserved_bytes,
         };
         progress(&row);
         rows.push(row);
     }
     Ok(rows)
+}
+
+/// A row's server settings, as its records' `mode`.
+fn mode(r: &BenchRow) -> String {
+    let mut m = format!(
+        "max_batch-{}-prefix_cache-{}",
+        r.max_batch, r.prefix_cache_mib
+    );
+    if r.kv_budget_mib > 0.0 {
+        m.push_str(&format!("-kv_budget-{}", r.kv_budget_mib));
+    }
+    if r.explain {
+        m.push_str("-explain");
+    }
+    m
 }
 
 /// The `q`-quantile of `xs` (nearest rank); 0 for none.
@@ -254,7 +318,7 @@ async fn level(
             Some(_) => "headwise",
             None => "ignore_eos",
         }] = match &target.policy {
-            Some(p) => json!({"policy": p, "ignore_eos": true}),
+            Some(p) => json!({"policy": p, "ignore_eos": true, "explain": target.explain}),
             None => json!(true),
         };
         body
@@ -364,7 +428,15 @@ pub fn write_report(
             ("p50_itl_s", r.p50_itl_s),
             ("p95_itl_s", r.p95_itl_s),
             ("mean_batch", r.mean_batch),
+            ("peak_batch", r.peak_batch),
+            ("peak_reserved_bytes", r.peak_reserved_bytes),
         ] {
+            // llama-server's batch and KV are not known.
+            let unknown =
+                metric.contains("batch") || metric.contains("kv") || metric.contains("reserved");
+            if r.policy == ANCHOR && unknown {
+                continue;
+            }
             records.push(ResultRecord {
                 schema_version: SCHEMA_VERSION,
                 experiment: "serve-bench".into(),
@@ -375,10 +447,7 @@ pub fn write_report(
                 selection: None,
                 k: None,
                 seed: None,
-                mode: Some(format!(
-                    "max_batch-{}-prefix_cache-{}",
-                    r.max_batch, r.prefix_cache_mib
-                )),
+                mode: Some(mode(r)),
                 policy: Some(r.policy.clone()),
                 metric: metric.into(),
                 value,
@@ -391,37 +460,50 @@ pub fn write_report(
         "# Serving throughput: {}\n\nStreamed chat requests against `headwise serve` on loopback; \
          each client sends its requests one after another, rates are totals over the level's wall time.\n\n\
          Command: `{}`\n\nMachine: {}; wall time {wall:.0} s over all levels.\n\n\
-         | policy | max batch | prefix cache (MiB) | clients | requests | prompt tokens | requests/s | tokens/s | mean batch | TTFT p50 / p95 (s) | chunk gap p50 / p95 (ms) | mean KV peak (MiB) |\n\
-         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+         Mean and peak batch and the peak KV reserved are the server's own counters (peaks \
+         sampled every 20 ms); llama-server's are not known (-). KV budget 0: none.\n\n\
+         | policy | max batch | prefix cache (MiB) | KV budget (MiB) | clients | requests | prompt tokens | requests/s | tokens/s | mean / peak batch | peak KV reserved (MiB) | TTFT p50 / p95 (s) | chunk gap p50 / p95 (ms) | mean KV peak per request (MiB) |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
         model.name,
         made.command,
         machine(),
         wall = rows.iter().map(|r| r.wall_secs).sum::<f64>(),
     );
+    let mib = |b: f64| b / (1024.0 * 1024.0);
     for r in rows {
+        let known = r.policy != ANCHOR;
+        let shown = |s: String| if known { s } else { "-".into() };
+        let explained = if r.explain { " + explain" } else { "" };
         md.push_str(&format!(
-            "| {} | {} | {} | {} | {} | {} | {:.2} | {:.1} | {:.1} | {:.2} / {:.2} | {:.0} / {:.0} | {:.2} |\n",
+            "| {}{explained} | {} | {} | {} | {} | {} | {} | {:.2} | {:.1} | {} | {} | {:.2} / {:.2} | {:.0} / {:.0} | {} |\n",
             r.policy,
             r.max_batch,
             r.prefix_cache_mib,
+            r.kv_budget_mib,
             r.concurrency,
             r.requests,
             r.prompt_tokens,
             r.requests_per_s,
             r.tokens_per_s,
-            r.mean_batch,
+            shown(format!("{:.1} / {:.0}", r.mean_batch, r.peak_batch)),
+            shown(format!("{:.1}", mib(r.peak_reserved_bytes))),
             r.p50_ttft_s,
             r.p95_ttft_s,
             r.p50_itl_s * 1e3,
             r.p95_itl_s * 1e3,
-            r.mean_kv_peak_bytes / (1024.0 * 1024.0)
+            shown(format!("{:.2}", mib(r.mean_kv_peak_bytes))),
         ));
     }
     md.push_str("\n![tokens per second against clients](throughput.svg)\n");
     write_experiment(dir, &md, &records, made)?;
     let label = |r: &BenchRow| {
+        let budget = match r.kv_budget_mib > 0.0 {
+            true => format!(", KV budget {} MiB", r.kv_budget_mib),
+            false => String::new(),
+        };
+        let explained = if r.explain { " + explain" } else { "" };
         format!(
-            "{}, max batch {}, prefix cache {} MiB",
+            "{}{explained}, max batch {}, prefix cache {} MiB{budget}",
             r.policy, r.max_batch, r.prefix_cache_mib
         )
     };

@@ -247,6 +247,20 @@ pub fn generate(
     })
 }
 
+/// Entropy (nats) of the softmax of `logits`.
+pub fn entropy(logits: &[f32]) -> f32 {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let z: f32 = logits.iter().map(|&l| (l - max).exp()).sum();
+    let log_z = z.ln();
+    -logits
+        .iter()
+        .map(|&l| {
+            let lp = l - max - log_z;
+            lp.exp() * lp
+        })
+        .sum::<f32>()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

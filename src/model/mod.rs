@@ -24,7 +24,7 @@ pub mod transformer;
 
 pub use cache::{HeadCache, KvBytes, KvCache, Retention, RowFormat, TopK};
 pub use config::{Architecture, Config, LayerSpec, RopeStyle, SlidingWindow};
-pub use generate::{generate, GenerateOptions, Generation, Sampler, Sampling, StopReason};
+pub use generate::{entropy, generate, GenerateOptions, Generation, Sampler, Sampling, StopReason};
 pub use gguf::{GgufFile, ModelId};
 pub use intervene::{HeadEdit, Interventions, KeyRestriction, OutputEdit, QueryEdit};
 pub use linear::{Linear, Numerics};

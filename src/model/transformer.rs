@@ -425,9 +425,10 @@ impl Model {
 
     /// [`Model::forward`] over a per-head cache: each KV head reads what its
     /// [`Retention`](crate::model::Retention) keeps, and top-k restrictions apply at
-    /// decode steps. Observers may not ask for attention probabilities or values here,
-    /// and `edits` may not restrict keys or bias scores (a policy decides what heads
-    /// see); output and query edits apply as usual.
+    /// decode steps. Observers may not ask for values here, nor for attention
+    /// probabilities in a pass of more than one token (a decode step gives them, zero at
+    /// the positions a head does not hold), and `edits` may not restrict keys or bias
+    /// scores (a policy decides what heads see); output and query edits apply as usual.
     pub fn forward_heads(
         &self,
         tokens: &[u32],
@@ -441,8 +442,8 @@ impl Model {
 
     /// Check a pass of `tokens` after what `cache` holds, before any work: tokens in the
     /// vocabulary and within the context, edits that fit the model, and nothing a
-    /// per-head cache cannot give (attention probabilities or values to observe, key
-    /// restrictions or score biases).
+    /// per-head cache cannot give (values or a prefill's attention probabilities to
+    /// observe, key restrictions or score biases).
     fn check_step(
         &self,
         tokens: &[u32],
@@ -452,10 +453,11 @@ impl Model {
     ) -> Result<()> {
         if let CacheMut::Heads(_) = cache {
             let wants = observer.wants();
-            if wants.attention || wants.values {
+            if wants.values || wants.attention && tokens.len() > 1 {
                 return Err(Error::invalid(
                     "observer",
-                    "attention probabilities and values are not observable through a per-head cache",
+                    "through a per-head cache, values are not observable, and attention \
+                     probabilities only at decode steps (one token)",
                 ));
             }
             if edits.restricts_keys() {
@@ -709,14 +711,18 @@ impl Model {
         let cache = match cache {
             CacheMut::Plain(cache) => cache,
             CacheMut::Heads(cache) => {
-                let out = attention::per_head(
+                let (out, probs) = attention::per_head(
                     cache,
                     layer,
                     &qh,
                     &kh.squeeze(0)?,
                     &vh.squeeze(0)?,
                     start,
+                    wants.attention,
                 )?;
+                if let Some(probs) = probs {
+                    observer.attention(layer, &probs);
+                }
                 return self.head_outputs(layer, out, observer, edits);
             }
         };

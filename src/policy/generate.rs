@@ -17,6 +17,7 @@ use crate::model::{
     Model, Observer, Sampler, Session, StopReason, Tee, Wants,
 };
 use crate::policy::evict::{Observe, Observed};
+use crate::policy::explain::{ExplainConfig, HeadReads, TokenExplain};
 use crate::policy::plan::{DynamicSource, Plan, Prefill};
 use crate::policy::prefix::Prefix;
 use crate::{Error, Result};
@@ -179,6 +180,38 @@ impl Observer for LastHidden {
     }
 }
 
+/// What a decode step observes: the final hidden state (for a probe) and, when the
+/// generation is explained, the chosen heads' reading.
+struct StepObserver {
+    hidden: LastHidden,
+    reads: Option<HeadReads>,
+}
+
+impl Observer for StepObserver {
+    fn wants(&self) -> Wants {
+        Wants {
+            attention: self.reads.is_some(),
+            ..self.hidden.wants()
+        }
+    }
+
+    fn begin(&mut self, start: usize, q: usize) {
+        if let Some(r) = &mut self.reads {
+            r.begin(start, q);
+        }
+    }
+
+    fn attention(&mut self, layer: usize, probs: &Tensor) {
+        if let Some(r) = &mut self.reads {
+            r.attention(layer, probs);
+        }
+    }
+
+    fn final_hidden(&mut self, hidden: &Tensor) {
+        self.hidden.final_hidden(hidden);
+    }
+}
+
 /// Memory and head activity of one generation.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct KvStats {
@@ -255,8 +288,11 @@ pub struct Decoding<'a> {
     stop: Vec<u32>,
     max_new: usize,
     oracle: Option<&'a [Vec<f32>]>,
-    /// What the next step observes (the final hidden state, for a probe).
-    observer: LastHidden,
+    /// What the next step observes (the final hidden state, for a probe; the chosen
+    /// heads' reading, when explained).
+    observer: StepObserver,
+    /// The last token, explained ([`Decoding::explain`]).
+    explained: Option<TokenExplain>,
     /// The final hidden state of the last position run, when a probe reads it.
     hidden: Option<Vec<f32>>,
     probe_ws: Option<crate::probe::Workspace>,
@@ -427,7 +463,11 @@ impl<'a> Decoding<'a> {
             stop: opts.stop.clone(),
             max_new: opts.max_new,
             oracle,
-            observer: LastHidden::new(want_hidden),
+            observer: StepObserver {
+                hidden: LastHidden::new(want_hidden),
+                reads: None,
+            },
+            explained: None,
             hidden,
             probe_ws: None,
             probe_out: Vec::new(),
@@ -446,6 +486,25 @@ impl<'a> Decoding<'a> {
             shared_secs,
             prefill_secs: 0.0,
         })
+    }
+
+    /// Explain every token from the next step on ([`crate::policy::explain`]): after
+    /// each [`Decoding::advance`], [`Decoding::take_explained`] gives it (its texts left
+    /// empty).
+    pub fn explain(&mut self, cfg: ExplainConfig) -> Result<()> {
+        cfg.check(self.session.model().config())?;
+        self.observer.reads = Some(HeadReads::new(cfg, self.prompt_tokens));
+        Ok(())
+    }
+
+    /// Prompt tokens either side of a read position in an explanation's text.
+    pub fn explain_context(&self) -> usize {
+        self.observer.reads.as_ref().map_or(0, |r| r.context())
+    }
+
+    /// The last token, explained (once).
+    pub fn take_explained(&mut self) -> Option<TokenExplain> {
+        self.explained.take()
     }
 
     /// Prompt positions still to prefill.
@@ -575,7 +634,18 @@ impl<'a> Decoding<'a> {
     /// After a step with its `logits` `(1, vocab)`: sample the next token, which the
     /// next step runs.
     pub fn advance(&mut self, logits: &Tensor) -> Result<u32> {
-        self.hidden = self.observer.hidden.take();
+        self.hidden = self.observer.hidden.hidden.take();
+        if let Some(reads) = &mut self.observer.reads {
+            // Under a probe, the prediction that chose this step's heads.
+            let probe = match self.plan.dynamic.as_ref().map(|d| &d.source) {
+                Some(DynamicSource::Probe { .. }) if !self.probe_out.is_empty() => {
+                    Some(self.probe_out.as_slice())
+                }
+                _ => None,
+            };
+            let n_heads = self.session.model().config().n_heads;
+            self.explained = Some(reads.explain(logits, probe, n_heads)?);
+        }
         self.steps += 1;
         let next = self.sampler.sample(logits)?;
         if self.tokens.is_empty() {

@@ -14,14 +14,18 @@
 //!   JSON;
 //! - [`ablation`]: head sets, ablation modes and the mean-ablation calibration;
 //! - [`generate()`]: generation under a plan, with its KV statistics;
+//! - [`explain`]: per-token introspection (entropy, what the retrieval heads read, the
+//!   probe's choice);
 //! - [`runtime`]: the library API, [`Runtime`];
 //! - [`scheduler`]: continuous batching of many generations, [`Scheduler`];
+//! - [`stream`]: a generation in the scheduler's batch as an async stream of events;
 //! - [`prefix`]: shared prompt prefixes, prefilled once, for the scheduler.
 
 pub mod ablation;
 pub mod atlas;
 pub mod config;
 pub mod evict;
+pub mod explain;
 pub mod generate;
 pub mod plan;
 pub mod prefix;
@@ -30,8 +34,10 @@ pub mod ranking;
 pub mod runtime;
 pub mod scheduler;
 pub mod select;
+pub mod stream;
 
 pub use config::Policy;
+pub use explain::{ExplainConfig, TokenExplain};
 pub use generate::{
     generate, prefill_need, Decoding, KvStats, PolicyGeneration, PrefillNeed, Prefilled,
 };
@@ -42,3 +48,4 @@ pub use runtime::{
 };
 pub use scheduler::{Load, Scheduler, SchedulerConfig, Sink};
 pub use select::{Gqa, HeadChoice, Selection};
+pub use stream::{GenerationStream, StreamEvent};

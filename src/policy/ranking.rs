@@ -8,6 +8,7 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 use crate::artifact::{read_versioned, Versioned};
+use crate::model::ModelId;
 use crate::provenance::Made;
 use crate::results::write_atomic;
 use crate::{Error, Result};
@@ -238,6 +239,45 @@ impl Ranking {
             ));
         }
         Ok(())
+    }
+
+    /// Errors unless the ranking was made on the model `id` with `n_layers` x
+    /// `n_heads` query heads; `path` names it in the message.
+    pub fn check_for(
+        &self,
+        path: &Path,
+        id: &ModelId,
+        n_layers: usize,
+        n_heads: usize,
+    ) -> Result<()> {
+        let p = &self.provenance;
+        if !p.model_sha256.eq_ignore_ascii_case(&id.sha256)
+            || (self.n_layers, self.n_heads) != (n_layers, n_heads)
+        {
+            return Err(Error::invalid(
+                "ranking",
+                format!(
+                    "{} ranks {} (sha256 {}), not this model ({}, sha256 {})",
+                    path.display(),
+                    p.model,
+                    p.model_sha256,
+                    id.name,
+                    id.sha256
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Every head `(layer, head)`, highest score first (ties by layer, then head).
+    pub fn ordered(&self) -> Vec<(usize, usize)> {
+        let mut v: Vec<&HeadScore> = self.heads.iter().collect();
+        v.sort_by(|a, b| {
+            b.score
+                .total_cmp(&a.score)
+                .then((a.layer, a.head).cmp(&(b.layer, b.head)))
+        });
+        v.into_iter().map(|h| (h.layer, h.head)).collect()
     }
 
     /// Write atomically as pretty JSON.

@@ -30,7 +30,8 @@ use crate::model::{
     GenerateOptions, KvBytes, LoadedModel, ModelId, Numerics, Sampling, StopReason, TextStream,
 };
 use crate::policy::config::Policy;
-use crate::policy::generate::{generate, KvStats, PolicyGeneration};
+use crate::policy::explain::{fill_text, ExplainConfig, TokenExplain};
+use crate::policy::generate::{Decoding, KvStats, PolicyGeneration};
 use crate::policy::plan::Plan;
 use crate::{Error, Result};
 
@@ -118,6 +119,8 @@ pub struct GenerateRequest {
     pub sampling: Sampling,
     /// Keep generating through end-of-turn tokens (always `max_tokens` tokens).
     pub ignore_eos: bool,
+    /// Explain every token ([`Step::explain`]).
+    pub explain: Option<ExplainConfig>,
 }
 
 impl GenerateRequest {
@@ -128,6 +131,7 @@ impl GenerateRequest {
             max_tokens,
             sampling: Sampling::default(),
             ignore_eos: false,
+            explain: None,
         }
     }
 }
@@ -144,6 +148,8 @@ pub struct Step<'a> {
     pub logits: &'a Tensor,
     /// Resident KV bytes after the step.
     pub kv: KvBytes,
+    /// The token explained, when the request asked.
+    pub explain: Option<&'a TokenExplain>,
 }
 
 /// What one generation did and cost.
@@ -256,32 +262,46 @@ impl Runtime {
     ) -> Result<GenerateOutput> {
         let ids = self.encode(&request.prompt)?;
         let opts = self.options(request);
-        let mut text = TextOut::default();
-        let mut failure = None;
-        let out = generate(
-            &self.lm.model,
-            &self.plan,
-            &ids,
-            &opts,
-            None,
-            None,
-            &mut |token, logits, kv| match text.push(self, token) {
-                Ok(piece) => on_step(&Step {
-                    token,
-                    text: piece,
-                    logits,
-                    kv,
-                }),
-                Err(e) => {
-                    failure = Some(e);
-                    false
-                }
-            },
-        )?;
-        if let Some(e) = failure {
-            return Err(e);
+        let mut decoding = Decoding::start(&self.lm.model, &self.plan, &ids, &opts, None, None)?;
+        if let Some(cfg) = &request.explain {
+            decoding.explain(cfg.clone())?;
         }
-        Ok(self.output(out, text.text))
+        let mut text = TextOut::default();
+        let stop = loop {
+            decoding.prepare()?;
+            let logits = decoding.step()?;
+            let token = decoding.advance(&logits)?;
+            let explain = self.explained(&mut decoding, &ids);
+            let step = Step {
+                token,
+                text: text.push(self, token)?,
+                logits: &logits,
+                kv: decoding.kv_bytes(),
+                explain: explain.as_ref(),
+            };
+            if !on_step(&step) {
+                break StopReason::Cancelled;
+            }
+            if let Some(stop) = decoding.stopped() {
+                break stop;
+            }
+        };
+        Ok(self.output(decoding.finish(stop), text.text))
+    }
+
+    /// The token `decoding` has just advanced by, explained, with the text of `prompt`
+    /// around each position its heads read; `None` unless it explains.
+    pub(crate) fn explained(
+        &self,
+        decoding: &mut Decoding,
+        prompt: &[u32],
+    ) -> Option<TokenExplain> {
+        let mut e = decoding.take_explained()?;
+        let context = decoding.explain_context();
+        fill_text(&mut e, prompt, context, &|ids| {
+            self.lm.decode(ids).unwrap_or_default()
+        });
+        Some(e)
     }
 
     /// The options a request generates with.

@@ -32,6 +32,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use crate::model::{step_batch, BatchStep, GenerateOptions, HeadCache, StopReason};
+use crate::policy::explain::ExplainConfig;
 use crate::policy::generate::Decoding;
 use crate::policy::prefix::PrefixCache;
 use crate::policy::runtime::{GenerateOutput, GenerateRequest, Runtime, Step, TextOut};
@@ -109,6 +110,7 @@ struct Job {
     policy: String,
     ids: Vec<u32>,
     opts: GenerateOptions,
+    explain: Option<ExplainConfig>,
     need: usize,
     sink: Box<dyn Sink>,
 }
@@ -206,6 +208,9 @@ impl Scheduler {
         let ids = rt.encode(&request.prompt)?;
         let opts = rt.options(request);
         opts.check(ids.len(), rt.model().model.config().context_length)?;
+        if let Some(e) = &request.explain {
+            e.check(rt.model().model.config())?;
+        }
         let need = reservation(rt, ids.len() + request.max_tokens)?;
         if let Some(budget) = self.cfg.kv_budget {
             if need > budget {
@@ -224,6 +229,7 @@ impl Scheduler {
             policy: policy.to_string(),
             ids,
             opts,
+            explain: request.explain.clone(),
             need,
             sink,
         };
@@ -276,6 +282,8 @@ struct Running<'a> {
     policy: &'a str,
     rt: &'a Runtime,
     decoding: Decoding<'a>,
+    /// The prompt, for the text of what an explained token's heads read.
+    ids: Vec<u32>,
     sink: Box<dyn Sink>,
     text: TextOut,
     need: usize,
@@ -353,13 +361,21 @@ fn run(
                     .fetch_add(p.tokens.len() as u64, Ordering::Relaxed);
             }
             let (model, plan) = (&rt.model().model, rt.plan());
-            match Decoding::begin_with(model, plan, &job.ids, &job.opts, None, None, prefix) {
+            let begun = Decoding::begin_with(model, plan, &job.ids, &job.opts, None, None, prefix)
+                .and_then(|mut d| {
+                    if let Some(cfg) = job.explain.take() {
+                        d.explain(cfg)?;
+                    }
+                    Ok(d)
+                });
+            match begun {
                 Ok(decoding) => {
                     reserved += job.need;
                     running.push(Running {
                         policy,
                         rt,
                         decoding,
+                        ids: job.ids,
                         sink: job.sink,
                         text: TextOut::default(),
                         need: job.need,
@@ -451,12 +467,14 @@ fn run(
 /// Sample `r`'s token from its `logits` and hand it to its sink; how it ends, if it does.
 fn deliver(r: &mut Running, logits: &candle_core::Tensor) -> Result<Option<StopReason>> {
     let token = r.decoding.advance(logits)?;
+    let explain = r.rt.explained(&mut r.decoding, &r.ids);
     let text = r.text.push(r.rt, token)?;
     let step = Step {
         token,
         text,
         logits,
         kv: r.decoding.kv_bytes(),
+        explain: explain.as_ref(),
     };
     if !r.sink.token(&step) {
         return Ok(Some(StopReason::Cancelled));

@@ -158,22 +158,7 @@ impl HeadChoice {
                 .ok_or(Error::Internal("checked: a ranking"))?,
         );
         let ranking = Ranking::load(&path)?;
-        let p = &ranking.provenance;
-        if !p.model_sha256.eq_ignore_ascii_case(&target.id.sha256)
-            || (ranking.n_layers, ranking.n_heads) != (cfg.n_layers, cfg.n_heads)
-        {
-            return Err(Error::invalid(
-                "ranking",
-                format!(
-                    "{} ranks {} (sha256 {}), not this model ({}, sha256 {})",
-                    path.display(),
-                    p.model,
-                    p.model_sha256,
-                    target.id.name,
-                    target.id.sha256
-                ),
-            ));
-        }
+        ranking.check_for(&path, target.id, cfg.n_layers, cfg.n_heads)?;
         let mut ranked: Vec<(f64, usize, usize)> = ranking
             .heads
             .iter()

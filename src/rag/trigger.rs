@@ -21,6 +21,7 @@
 
 use serde::{Deserialize, Serialize};
 
+pub use crate::model::entropy;
 use crate::rag::text::{word_text, words, Stopwords};
 use crate::{Error, Result};
 
@@ -160,20 +161,6 @@ pub fn fires(cfg: &TriggerConfig, seg: &Segment, stop: &Stopwords) -> Result<Opt
                 .map(|r| r.start)
         }
     })
-}
-
-/// Entropy (nats) of the softmax of `logits`.
-pub fn entropy(logits: &[f32]) -> f32 {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let z: f32 = logits.iter().map(|&l| (l - max).exp()).sum();
-    let log_z = z.ln();
-    -logits
-        .iter()
-        .map(|&l| {
-            let lp = l - max - log_z;
-            lp.exp() * lp
-        })
-        .sum::<f32>()
 }
 
 /// QFS: the `n` content words of the context that the triggering position attends to

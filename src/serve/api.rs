@@ -136,6 +136,49 @@ pub struct HeadwiseOptions {
     /// Generate through end-of-turn tokens, always `max_tokens` tokens.
     #[serde(default)]
     pub ignore_eos: bool,
+    /// Explain every generated token: `true`, or how much.
+    pub explain: Option<ExplainField>,
+}
+
+/// `"headwise": {"explain": ...}`: `true` / `false`, or an object.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum ExplainField {
+    On(bool),
+    With(ExplainOptions),
+}
+
+impl<'de> Deserialize<'de> for ExplainField {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        use serde::de::Error as _;
+        match serde_json::Value::deserialize(d)? {
+            serde_json::Value::Bool(b) => Ok(Self::On(b)),
+            v @ serde_json::Value::Object(_) => serde_json::from_value(v)
+                .map(Self::With)
+                .map_err(|e| D::Error::custom(format!("explain: {e}"))),
+            _ => Err(D::Error::custom(
+                "explain must be true, false or an object {heads, positions, context}",
+            )),
+        }
+    }
+}
+
+/// How much to explain per token (each field optional).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExplainOptions {
+    /// Top retrieval heads reported [default 4].
+    pub heads: Option<usize>,
+    /// Prompt positions per head [default 3].
+    pub positions: Option<usize>,
+    /// Prompt tokens of text either side of a position [default 3].
+    pub context: Option<usize>,
+}
+
+/// The `"headwise"` object of a response choice: each token of the choice's text,
+/// explained, in order.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ChoiceExtension {
+    pub explain: Vec<crate::policy::TokenExplain>,
 }
 
 /// Sampling and length fields shared by both completion endpoints.
@@ -324,6 +367,8 @@ pub struct ChatChoice {
     pub message: ResponseMessage,
     pub logprobs: Option<ChatLogprobs>,
     pub finish_reason: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub headwise: Option<ChoiceExtension>,
 }
 
 /// A whole chat completion.
@@ -353,6 +398,8 @@ pub struct ChunkChoice {
     pub delta: Delta,
     pub logprobs: Option<ChatLogprobs>,
     pub finish_reason: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub headwise: Option<ChoiceExtension>,
 }
 
 /// `chat.completion.chunk`.
@@ -373,6 +420,8 @@ pub struct CompletionChoice {
     pub text: String,
     pub logprobs: Option<CompletionLogprobs>,
     pub finish_reason: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub headwise: Option<ChoiceExtension>,
 }
 
 /// `text_completion`, whole or one streamed chunk.

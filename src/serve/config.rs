@@ -33,6 +33,10 @@ pub const FULL: &str = "full";
 /// base folder, each skipped with a warning when it does not resolve for the model.
 pub const DEFAULT_PRESETS: [&str; 4] = ["streaming", "static-locos", "static-wu", "dynamic-probe"];
 
+/// The ranking explain reports on when the config names none (`{model}`: the model's
+/// name).
+pub const EXPLAIN_RANKING: &str = "policies/rankings/{model}/locos-niah.json";
+
 /// Most sequences a server may batch.
 pub const MAX_CONCURRENCY: usize = 1024;
 /// Most requests that may wait for a slot.
@@ -104,6 +108,10 @@ pub struct ServeConfig {
     /// Retrieval triggers requests may choose by name [default: `once`, `every_n` (n = 4),
     /// `rind` (threshold 1.0)].
     pub rag_triggers: Option<BTreeMap<String, TriggerConfig>>,
+    /// The head ranking whose top heads `"headwise": {"explain": ...}` reports on
+    /// (relative to `base_dir`; `{model}`: the model's name) [default:
+    /// `policies/rankings/{model}/locos-niah.json` when it exists, else explain is off].
+    pub explain_ranking: Option<PathBuf>,
 }
 
 impl Default for ServeConfig {
@@ -134,6 +142,7 @@ impl Default for ServeConfig {
             rag_index: None,
             rag_stopwords: None,
             rag_triggers: None,
+            explain_ranking: None,
         }
     }
 }

@@ -18,7 +18,7 @@ use tokio::sync::{oneshot, OwnedSemaphorePermit, Semaphore};
 
 use crate::model::LoadedModel;
 use crate::policy::{
-    GenerateOutput, GenerateRequest, Runtime, Scheduler, SchedulerConfig, Sink, Step,
+    GenerateOutput, GenerateRequest, Runtime, Scheduler, SchedulerConfig, Sink, Step, TokenExplain,
 };
 use crate::rag::dragin::{
     answer, AnswerOptions, ContextMode, Instrumented, OnRetrieverError, QueryConfig, RagConfig,
@@ -64,10 +64,12 @@ pub struct RagService {
 /// What a running generation reports.
 #[derive(Debug, Clone)]
 pub enum Event {
-    /// Released text and the log-probabilities of the tokens it came from (when asked).
+    /// Released text, and the log-probabilities and explanations of the tokens it came
+    /// from (when asked).
     Text {
         text: String,
         logprobs: Vec<TokenLogprob>,
+        explain: Vec<TokenExplain>,
     },
     /// The end: `stop` or `length`, and what it cost; a RAG answer comes whole here.
     Done {
@@ -99,6 +101,8 @@ pub struct Engine {
     /// Batch places plus queue places.
     capacity: usize,
     rag: Option<RagService>,
+    /// The heads explain reports on, best first (none: explain is off).
+    explain_heads: Option<Vec<(usize, usize)>>,
 }
 
 impl Engine {
@@ -162,7 +166,19 @@ impl Engine {
             next_id: AtomicU64::new(1),
             capacity: cfg.max_concurrency + cfg.max_queue,
             rag: None,
+            explain_heads: None,
         })
+    }
+
+    /// The same engine explaining tokens with `heads` (best first).
+    pub fn with_explain_heads(mut self, heads: Vec<(usize, usize)>) -> Self {
+        self.explain_heads = Some(heads);
+        self
+    }
+
+    /// The heads explain reports on, best first; `None` when explain is off.
+    pub fn explain_heads(&self) -> Option<&[(usize, usize)]> {
+        self.explain_heads.as_deref()
     }
 
     /// The same engine answering `"rag"` requests with `rag`.
@@ -310,6 +326,7 @@ impl Engine {
             matcher: StopMatcher::new(job.stops),
             top_logprobs: job.top_logprobs,
             logprobs: Vec::new(),
+            explain: Vec::new(),
             lm: self.runtime(Some(&job.policy))?.1.shared_model(),
             abort: Arc::clone(&self.abort),
             deadline,
@@ -350,6 +367,8 @@ struct Generation {
     matcher: StopMatcher,
     top_logprobs: Option<usize>,
     logprobs: Vec<TokenLogprob>,
+    /// Explained tokens not yet sent.
+    explain: Vec<TokenExplain>,
     /// The model's tokenizer, for log-probabilities.
     lm: Arc<LoadedModel>,
     abort: Arc<AtomicBool>,
@@ -405,10 +424,12 @@ impl Generation {
         }
         let rest = self.matcher.finish();
         let logprobs = std::mem::take(&mut self.logprobs);
-        if !rest.is_empty() || !logprobs.is_empty() {
+        let explain = std::mem::take(&mut self.explain);
+        if !rest.is_empty() || !logprobs.is_empty() || !explain.is_empty() {
             let _ = self.tx.send(Event::Text {
                 text: rest,
                 logprobs,
+                explain,
             });
         }
         let s = &out.stats;
@@ -463,11 +484,15 @@ impl Sink for Generation {
                 Err(_) => return false,
             }
         }
+        if let Some(e) = step.explain {
+            self.explain.push(e.clone());
+        }
         let text = self.matcher.push(step.text);
         if !text.is_empty() {
             let event = Event::Text {
                 text,
                 logprobs: std::mem::take(&mut self.logprobs),
+                explain: std::mem::take(&mut self.explain),
             };
             if self.tx.send(event).is_err() {
                 self.cut = Some("disconnect");

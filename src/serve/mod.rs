@@ -5,7 +5,10 @@
 //! all presets share one copy of the weights. Requests wait in a bounded queue for one
 //! of `max_concurrency` places in the continuously batched decode ([`engine`],
 //! [`crate::policy::Scheduler`]); the response's `usage.headwise` says what the request
-//! held in KV memory.
+//! held in KV memory. `"headwise": {"explain": true}` adds, to each streamed chunk's
+//! choice, every token's introspection ([`crate::policy::explain`]): its entropy, the
+//! prompt positions (and text) the top retrieval heads read, and, under a probe, the
+//! probe's most active heads.
 //!
 //! ```no_run
 //! # async fn run() -> headwise::Result<()> {
@@ -27,7 +30,7 @@ pub mod stop;
 
 use std::collections::BTreeMap;
 use std::future::Future;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -38,6 +41,7 @@ pub use config::ServeConfig;
 pub use engine::Engine;
 pub use routes::router;
 
+use crate::policy::ranking::Ranking;
 use crate::policy::{Policy, Runtime};
 use crate::{Error, Result};
 
@@ -77,8 +81,12 @@ pub fn load_engine(cfg: &ServeConfig) -> Result<Engine> {
         .served_model_name
         .clone()
         .unwrap_or_else(|| full.model_id().name.clone());
+    let explain = explain_heads(cfg, &full)?;
     runtimes.entry(config::FULL.to_string()).or_insert(full);
-    let engine = Engine::new(name, runtimes, cfg)?;
+    let mut engine = Engine::new(name, runtimes, cfg)?;
+    if let Some(heads) = explain {
+        engine = engine.with_explain_heads(heads);
+    }
     let Some(dir) = &cfg.rag_index else {
         return Ok(engine);
     };
@@ -91,6 +99,27 @@ pub fn load_engine(cfg: &ServeConfig) -> Result<Engine> {
         triggers: cfg.triggers(),
     };
     Ok(engine.with_rag(rag))
+}
+
+/// The heads explain reports on, best first: those of `cfg.explain_ranking`, or of the
+/// default LOCOS ranking when there is one for the model (none: explain is off).
+fn explain_heads(cfg: &ServeConfig, full: &Runtime) -> Result<Option<Vec<(usize, usize)>>> {
+    let id = full.model_id();
+    let named = |p: &Path| PathBuf::from(p.to_string_lossy().replace("{model}", &id.name));
+    let path = match &cfg.explain_ranking {
+        Some(p) => cfg.base_dir.join(named(p)),
+        None => {
+            let p = cfg.base_dir.join(named(Path::new(config::EXPLAIN_RANKING)));
+            if !p.exists() {
+                return Ok(None);
+            }
+            p
+        }
+    };
+    let model = full.model().model.config();
+    let ranking = Ranking::load(&path)?;
+    ranking.check_for(&path, id, model.n_layers, model.n_heads)?;
+    Ok(Some(ranking.ordered()))
 }
 
 /// The preset file at `path` over the model of `full`; its paths are read from `base`.

@@ -23,7 +23,7 @@ use tokio::sync::mpsc::UnboundedReceiver;
 use crate::http::BodyError;
 use crate::model::chat::ChatMessage;
 use crate::model::Sampling;
-use crate::policy::{GenerateRequest, Prompt};
+use crate::policy::{ExplainConfig, GenerateRequest, Prompt, TokenExplain};
 use crate::serve::api::*;
 use crate::serve::engine::{Engine, Event, Job, MAX_TOP_LOGPROBS};
 
@@ -276,6 +276,13 @@ fn prepare(
             rag_question(&prompt, policy, top_logprobs)?,
         )),
     };
+    let explain = explain_config(engine, ext.explain)?;
+    if explain.is_some() && rag.is_some() {
+        return Err(ApiError::invalid(
+            Some("headwise.explain"),
+            "explain is not available with rag",
+        ));
+    }
     if top_logprobs.is_some_and(|n| n > MAX_TOP_LOGPROBS) {
         return Err(ApiError::invalid(
             Some("top_logprobs"),
@@ -349,6 +356,7 @@ fn prepare(
                 max_tokens,
                 sampling,
                 ignore_eos: ext.ignore_eos,
+                explain,
             },
             stops,
             top_logprobs,
@@ -359,6 +367,46 @@ fn prepare(
         model: engine.model_name().to_string(),
     })
 }
+
+/// What `"headwise": {"explain": ...}` asks for: the engine's top `heads` retrieval
+/// heads (default 4), `positions` per head (default 3), `context` tokens of text either
+/// side (default 3), and the probe's 4 most active heads under a probe-driven policy.
+fn explain_config(
+    engine: &Engine,
+    field: Option<ExplainField>,
+) -> Result<Option<ExplainConfig>, ApiError> {
+    let o = match field {
+        None | Some(ExplainField::On(false)) => return Ok(None),
+        Some(ExplainField::On(true)) => ExplainOptions::default(),
+        Some(ExplainField::With(o)) => o,
+    };
+    let Some(ranked) = engine.explain_heads() else {
+        return Err(ApiError::invalid(
+            Some("headwise.explain"),
+            "this server has no head ranking to explain with (set explain_ranking)",
+        ));
+    };
+    let bounded = |name: &str, v: Option<usize>, default: usize, lo: usize, hi: usize| {
+        let v = v.unwrap_or(default);
+        match (lo..=hi).contains(&v) {
+            true => Ok(v),
+            false => Err(ApiError::invalid(
+                Some(&format!("headwise.explain.{name}")),
+                format!("{name} is {v}; it must be in {lo}..={hi}"),
+            )),
+        }
+    };
+    let heads = bounded("heads", o.heads, 4, 1, MAX_EXPLAIN.min(ranked.len()))?;
+    Ok(Some(ExplainConfig {
+        heads: ranked[..heads].to_vec(),
+        positions: bounded("positions", o.positions, 3, 1, MAX_EXPLAIN)?,
+        context: bounded("context", o.context, 3, 0, MAX_EXPLAIN)?,
+        probe_heads: 4,
+    }))
+}
+
+/// Most heads, positions per head, or tokens of context an explain request may ask for.
+const MAX_EXPLAIN: usize = 32;
 
 /// The question a RAG request asks: the last user message, or the prompt text. RAG
 /// answers run on the full cache, without log-probabilities.
@@ -395,6 +443,7 @@ fn rag_question(
 struct Collected {
     text: String,
     logprobs: Vec<TokenLogprob>,
+    explain: Vec<TokenExplain>,
     finish: &'static str,
     usage: Usage,
 }
@@ -402,14 +451,17 @@ struct Collected {
 async fn collect(mut rx: UnboundedReceiver<Event>) -> Result<Collected, ApiError> {
     let mut text = String::new();
     let mut logprobs = Vec::new();
+    let mut explained = Vec::new();
     while let Some(event) = rx.recv().await {
         match event {
             Event::Text {
                 text: t,
                 logprobs: l,
+                explain: e,
             } => {
                 text.push_str(&t);
                 logprobs.extend(l);
+                explained.extend(e);
             }
             Event::Done {
                 finish,
@@ -420,6 +472,7 @@ async fn collect(mut rx: UnboundedReceiver<Event>) -> Result<Collected, ApiError
                 return Ok(Collected {
                     text,
                     logprobs,
+                    explain: explained,
                     finish,
                     usage,
                 });
@@ -503,6 +556,7 @@ async fn chat(
     if stream {
         let chunk = move |delta: Delta,
                           logprobs: Option<ChatLogprobs>,
+                          explain: Vec<TokenExplain>,
                           finish: Option<&'static str>,
                           usage: Option<Usage>| ChatChunk {
             id: id.clone(),
@@ -517,6 +571,7 @@ async fn chat(
                     delta,
                     logprobs,
                     finish_reason: finish,
+                    headwise: extension(explain),
                 }]
             },
             usage,
@@ -527,21 +582,23 @@ async fn chat(
                 content: Some(String::new()),
             },
             None,
+            Vec::new(),
             None,
             None,
         );
         let events = sse(rx, first, include_usage, move |piece| match piece {
-            Piece::Text(text, logprobs) => chunk(
+            Piece::Text(text, logprobs, explain) => chunk(
                 Delta {
                     role: None,
                     content: Some(text),
                 },
                 wants_logprobs.then_some(ChatLogprobs { content: logprobs }),
+                explain,
                 None,
                 None,
             ),
-            Piece::Finish(finish) => chunk(Delta::default(), None, Some(finish), None),
-            Piece::Usage(usage) => chunk(Delta::default(), None, None, Some(usage)),
+            Piece::Finish(finish) => chunk(Delta::default(), None, Vec::new(), Some(finish), None),
+            Piece::Usage(usage) => chunk(Delta::default(), None, Vec::new(), None, Some(usage)),
         });
         return Ok(events.into_response());
     }
@@ -561,6 +618,7 @@ async fn chat(
                 content: c.logprobs,
             }),
             finish_reason: c.finish,
+            headwise: extension(c.explain),
         }],
         usage: c.usage,
     })
@@ -610,6 +668,7 @@ async fn completions(
     let created = now();
     let make = move |text: String,
                      logprobs: Option<CompletionLogprobs>,
+                     explain: Vec<TokenExplain>,
                      finish: Option<&'static str>,
                      usage: Option<Usage>| Completion {
         id: id.clone(),
@@ -624,32 +683,39 @@ async fn completions(
                 text,
                 logprobs,
                 finish_reason: finish,
+                headwise: extension(explain),
             }]
         },
         usage,
     };
     if stream {
         let mut offset = 0;
-        let first = make(String::new(), None, None, None);
+        let first = make(String::new(), None, Vec::new(), None, None);
         let events = sse(rx, first, include_usage, move |piece| match piece {
-            Piece::Text(text, logprobs) => {
+            Piece::Text(text, logprobs, explain) => {
                 let lp = top.map(|_| CompletionLogprobs::from_tokens(&logprobs, offset));
                 offset += text.len();
-                make(text, lp, None, None)
+                make(text, lp, explain, None, None)
             }
-            Piece::Finish(finish) => make(String::new(), None, Some(finish), None),
-            Piece::Usage(usage) => make(String::new(), None, None, Some(usage)),
+            Piece::Finish(finish) => make(String::new(), None, Vec::new(), Some(finish), None),
+            Piece::Usage(usage) => make(String::new(), None, Vec::new(), None, Some(usage)),
         });
         return Ok(events.into_response());
     }
     let c = collect(rx).await?;
     let lp = top.map(|_| CompletionLogprobs::from_tokens(&c.logprobs, 0));
-    Ok(Json(make(c.text, lp, Some(c.finish), Some(c.usage))).into_response())
+    Ok(Json(make(c.text, lp, c.explain, Some(c.finish), Some(c.usage))).into_response())
+}
+
+/// A choice's `"headwise"` object: its tokens explained, when there are any.
+fn extension(explain: Vec<TokenExplain>) -> Option<ChoiceExtension> {
+    (!explain.is_empty()).then_some(ChoiceExtension { explain })
 }
 
 /// What a streamed response turns into a chunk.
 enum Piece {
-    Text(String, Vec<TokenLogprob>),
+    /// Text, and the log-probabilities and explanations of its tokens.
+    Text(String, Vec<TokenLogprob>, Vec<TokenExplain>),
     Finish(&'static str),
     Usage(Usage),
 }
@@ -667,8 +733,12 @@ fn sse<T: serde::Serialize + Send + 'static>(
     let body = stream::unfold(Some((rx, chunk)), move |state| async move {
         let (mut rx, mut chunk) = state?;
         let out = match rx.recv().await {
-            Some(Event::Text { text, logprobs }) => {
-                let event = data(&chunk(Piece::Text(text, logprobs)));
+            Some(Event::Text {
+                text,
+                logprobs,
+                explain,
+            }) => {
+                let event = data(&chunk(Piece::Text(text, logprobs, explain)));
                 return Some((vec![event], Some((rx, chunk))));
             }
             Some(Event::Done {
@@ -678,7 +748,7 @@ fn sse<T: serde::Serialize + Send + 'static>(
             }) => {
                 let mut v = Vec::new();
                 if let Some(text) = text {
-                    v.push(data(&chunk(Piece::Text(text, Vec::new()))));
+                    v.push(data(&chunk(Piece::Text(text, Vec::new(), Vec::new()))));
                 }
                 v.push(data(&chunk(Piece::Finish(finish))));
                 if include_usage {

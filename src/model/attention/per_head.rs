@@ -17,7 +17,10 @@ use crate::Result;
 /// Attention of one layer for queries at positions `start..start + q`: stores the new
 /// keys and values `(n_kv_heads, q, d_head)` (after RoPE) in `cache` and attends with
 /// `queries` `(n_heads, q, d_head)` (after RoPE) over what each head keeps. Returns
-/// `(n_heads, q, d_head)`. The caller commits the `q` positions once every layer ran.
+/// `(n_heads, q, d_head)` and, for a decode step (`q = 1`) when `want_probs`, each
+/// head's probabilities `(n_heads, 1, start + 1)` over positions (zero at positions its
+/// store does not hold or its top-k hides). The caller commits the `q` positions once
+/// every layer ran.
 pub(crate) fn per_head(
     cache: &mut HeadCache,
     layer: usize,
@@ -25,7 +28,8 @@ pub(crate) fn per_head(
     keys: &Tensor,
     values: &Tensor,
     start: usize,
-) -> Result<Tensor> {
+    want_probs: bool,
+) -> Result<(Tensor, Option<Tensor>)> {
     let (nh, q_len, dh) = queries.dims3()?;
     cache.check_chunk(start, q_len)?;
     let nkv = keys.dim(0)?;
@@ -64,8 +68,23 @@ pub(crate) fn per_head(
             })
             .collect();
         let masks: Vec<Option<&[f32]>> = masks.iter().map(|m| m.as_deref()).collect();
-        let (out, _) = decode_rows(&q, dh, &rows, &masks, false);
-        return Ok(Tensor::from_vec(out, (nh, 1, dh), &Device::Cpu)?);
+        let (out, probs) = decode_rows(&q, dh, &rows, &masks, want_probs);
+        let probs = match probs {
+            // Each head's weights over its rows, placed at the rows' positions.
+            Some(per_row) => {
+                let mut dense = vec![0f32; nh * len];
+                for (h, weights) in per_row.iter().enumerate() {
+                    let kv = h / group;
+                    let positions = stores[kv].readable_positions(len, active[kv]);
+                    for (&p, &w) in positions.iter().zip(weights) {
+                        dense[h * len + p] = w;
+                    }
+                }
+                Some(Tensor::from_vec(dense, (nh, 1, len), &Device::Cpu)?)
+            }
+            None => None,
+        };
+        return Ok((Tensor::from_vec(out, (nh, 1, dh), &Device::Cpu)?, probs));
     }
     // A prefill chunk: per KV head, the rows stored before it plus the chunk's own.
     let mut outs = Vec::with_capacity(nkv);
@@ -114,7 +133,7 @@ pub(crate) fn per_head(
             store.push(start + t, &new_k[h][t], &new_v[h][t]);
         }
     }
-    Ok(Tensor::cat(&outs, 0)?)
+    Ok((Tensor::cat(&outs, 0)?, None))
 }
 
 /// The additive mask `(q, n)` of a prefill chunk: query `start + t` sees the key at
@@ -196,12 +215,9 @@ mod tests {
         }
     }
 
-    #[test]
-    fn quantized_stores_are_read_as_their_rounded_rows() {
-        // 4 query heads over 2 KV heads of 40 values (a q8_0 block of 32 and one of 8);
-        // a prefill chunk of 6, one of 3, then 3 decode steps.
-        let (nh, nkv, dh, total) = (4, 2, 40, 12);
-        let cfg = Config {
+    /// A one-layer llama config of `nh` query heads over `nkv` KV heads of `dh` values.
+    fn one_layer(nh: usize, nkv: usize, dh: usize) -> Config {
+        Config {
             architecture: Architecture::Llama,
             n_layers: 1,
             n_heads: nh,
@@ -214,7 +230,15 @@ mod tests {
             rms_eps: 1e-5,
             rope_base: 10_000.0,
             sliding_window: None,
-        };
+        }
+    }
+
+    #[test]
+    fn quantized_stores_are_read_as_their_rounded_rows() {
+        // 4 query heads over 2 KV heads of 40 values (a q8_0 block of 32 and one of 8);
+        // a prefill chunk of 6, one of 3, then 3 decode steps.
+        let (nh, nkv, dh, total) = (4, 2, 40, 12);
+        let cfg = one_layer(nh, nkv, dh);
         let mut rng = rand::rngs::StdRng::seed_from_u64(7);
         let mut draw =
             |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random_range(-2.0..2.0)).collect() };
@@ -240,17 +264,20 @@ mod tests {
             let mut worst = 0f64;
             for span in [0..6, 6..9, 9..10, 10..11, 11..12] {
                 let (start, q) = (span.start, span.len());
-                let out = per_head(
+                let (out, probs) = per_head(
                     &mut cache,
                     0,
                     &tensor(&qs, nh, span.clone()),
                     &tensor(&ks, nkv, span.clone()),
                     &tensor(&vs, nkv, span.clone()),
                     start,
+                    true,
                 )
-                .unwrap()
-                .to_vec3::<f32>()
                 .unwrap();
+                let out = out.to_vec3::<f32>().unwrap();
+                // probabilities come with decode steps only
+                assert_eq!(probs.is_some(), q == 1);
+                let probs = probs.map(|p| p.to_vec3::<f32>().unwrap());
                 cache.commit(q);
                 for (t, p) in span.enumerate() {
                     for h in 0..nh {
@@ -277,6 +304,12 @@ mod tests {
                             .collect();
                         let m = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
                         let z: f64 = scores.iter().map(|s| (s - m).exp()).sum();
+                        if let Some(probs) = &probs {
+                            for (j, got) in probs[h][0].iter().enumerate() {
+                                let want = (scores[j] - m).exp() / z;
+                                worst = worst.max((want - *got as f64).abs());
+                            }
+                        }
                         let values: Vec<Vec<f32>> = (0..=p).map(|j| read(&vs, j)).collect();
                         for (c, got) in out[h][t].iter().enumerate() {
                             let want: f64 = (0..=p)
@@ -288,6 +321,37 @@ mod tests {
                 }
             }
             assert!(worst < 1e-5, "{format:?}: {worst}");
+        }
+    }
+
+    #[test]
+    fn a_ring_s_decode_probabilities_sit_at_the_positions_it_holds() {
+        // 2 query heads over one KV head of 4 values, kept as 1 sink + 2 recent
+        // positions: after a 6-token chunk, the step at position 6 reads positions 0, 5
+        // and 6, and nothing else.
+        let (nh, dh) = (2, 4);
+        let cfg = one_layer(nh, 1, dh);
+        let ring = Retention::Stream { sink: 1, window: 2 };
+        let mut cache = HeadCache::new(&cfg, &[ring], RowFormat::F32, 8).unwrap();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        let mut draw = |shape: (usize, usize, usize)| {
+            let n = shape.0 * shape.1 * shape.2;
+            let v: Vec<f32> = (0..n).map(|_| rng.random_range(-1.0..1.0)).collect();
+            Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+        };
+        let (q, k, v) = (draw((nh, 6, dh)), draw((1, 6, dh)), draw((1, 6, dh)));
+        let (_, none) = per_head(&mut cache, 0, &q, &k, &v, 0, true).unwrap();
+        assert!(none.is_none());
+        cache.commit(6);
+        let (q, k, v) = (draw((nh, 1, dh)), draw((1, 1, dh)), draw((1, 1, dh)));
+        let (_, probs) = per_head(&mut cache, 0, &q, &k, &v, 6, true).unwrap();
+        let probs = probs.unwrap().to_vec3::<f32>().unwrap();
+        for head in &probs {
+            let row = &head[0];
+            assert_eq!(row.len(), 7);
+            let held: Vec<usize> = (0..7).filter(|&j| row[j] > 0.0).collect();
+            assert_eq!(held, [0, 5, 6], "{row:?}");
+            assert!((row.iter().sum::<f32>() - 1.0).abs() < 1e-5);
         }
     }
 
