@@ -201,7 +201,13 @@ async fn levels(
     opts: &BenchOptions,
     progress: &mut dyn FnMut(&BenchRow),
 ) -> Result<Vec<BenchRow>> {
-    let http = reqwest::Client::new();
+    // A new connection per request: a pooled keep-alive connection that the server has
+    // closed while it sat idle fails as "error sending request" (llama-server closes
+    // idle ones after a few seconds, and a level's requests can wait longer than that).
+    let http = reqwest::Client::builder()
+        .pool_max_idle_per_host(0)
+        .build()
+        .map_err(|e| Error::invalid("HTTP client", e.to_string()))?;
     let mut rows = Vec::new();
     let batched = |e: Option<&Engine>| {
         e.map_or((0.0, 0.0), |e| {
