@@ -527,3 +527,50 @@ fn a_stream_gives_the_tokens_of_a_run_alone_and_dropping_it_cancels() {
     let rows = load.rows.load(std::sync::atomic::Ordering::Relaxed) as usize;
     assert!(rows < alone.tokens.len() + 100, "{rows} rows stepped");
 }
+
+#[test]
+fn under_a_probe_policy_each_explained_token_names_the_probe_s_most_active_heads() {
+    use headwise::policy::ExplainConfig;
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let all = runtimes();
+    let full = &all["full"];
+    let policy = Policy::load(&root.join("policies/dynamic-probe.toml"), &[]).unwrap();
+    let probed = full.with_policy(&policy, root).unwrap();
+    // Through end-of-turn tokens: 12 steps.
+    let mut req = request(0);
+    req.explain = Some(ExplainConfig {
+        heads: vec![(0, 0)],
+        positions: 1,
+        context: 0,
+        probe_heads: 3,
+    });
+    let (mut with_probe, mut without) = (Vec::new(), Vec::new());
+    probed
+        .generate(&req, &mut |s| {
+            with_probe.push(s.explain.cloned().unwrap());
+            true
+        })
+        .unwrap();
+    full.generate(&req, &mut |s| {
+        without.push(s.explain.cloned().unwrap());
+        true
+    })
+    .unwrap();
+    assert!(without.iter().all(|e| e.probe.is_none()));
+    for e in &with_probe {
+        let heads = e.probe.as_ref().expect("the probe's heads");
+        assert_eq!(heads.len(), 3);
+        let a: Vec<f32> = heads.iter().map(|h| h.activity).collect();
+        assert!(a.windows(2).all(|w| w[0] >= w[1]), "{a:?}");
+        assert!(
+            heads.iter().all(|h| h.layer < 30 && h.head < 9),
+            "{heads:?}"
+        );
+    }
+    // The probe reads each step's hidden state: its choice moves during the answer.
+    let first: Vec<_> = with_probe
+        .iter()
+        .map(|e| e.probe.as_ref().unwrap()[0].activity)
+        .collect();
+    assert!(first.windows(2).any(|w| w[0] != w[1]), "{first:?}");
+}
