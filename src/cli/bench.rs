@@ -828,10 +828,9 @@ fn serve(args: &BenchArgs) -> anyhow::Result<()> {
         made.get_or_insert_with(|| Made::now(runtime.model().model.numerics().name()));
         rows.extend(rt.block_on(bench::run(engine, &cfg, &opts, &mut |r| {
             eprintln!(
-                "{}{} max batch {} prefix cache {} MiB KV budget {} MiB x{}: {} requests in {:.1} s, \
+                "{} max batch {} prefix cache {} MiB KV budget {} MiB x{}: {} requests in {:.1} s, \
                  {:.2} req/s, {:.1} tok/s, TTFT {:.2} s, mean batch {:.1}, peak {:.0}",
-                r.policy,
-                if r.explain { " + explain" } else { "" },
+                r.name(),
                 r.max_batch,
                 r.prefix_cache_mib,
                 r.kv_budget_mib,

@@ -91,6 +91,16 @@ pub struct BenchRow {
     pub peak_reserved_bytes: f64,
 }
 
+impl BenchRow {
+    /// The policy, and whether its requests were explained.
+    pub fn name(&self) -> String {
+        match self.explain {
+            true => format!("{} + explain", self.policy),
+            false => self.policy.clone(),
+        }
+    }
+}
+
 /// One request's numbers.
 struct Sample {
     latency: f64,
@@ -479,10 +489,9 @@ pub fn write_report(
     for r in rows {
         let known = r.policy != ANCHOR;
         let shown = |s: String| if known { s } else { "-".into() };
-        let explained = if r.explain { " + explain" } else { "" };
         md.push_str(&format!(
-            "| {}{explained} | {} | {} | {} | {} | {} | {} | {:.2} | {:.1} | {} | {} | {:.2} / {:.2} | {:.0} / {:.0} | {} |\n",
-            r.policy,
+            "| {} | {} | {} | {} | {} | {} | {} | {:.2} | {:.1} | {} | {} | {:.2} / {:.2} | {:.0} / {:.0} | {} |\n",
+            r.name(),
             r.max_batch,
             r.prefix_cache_mib,
             r.kv_budget_mib,
@@ -507,10 +516,11 @@ pub fn write_report(
             true => format!(", KV budget {} MiB", r.kv_budget_mib),
             false => String::new(),
         };
-        let explained = if r.explain { " + explain" } else { "" };
         format!(
-            "{}{explained}, max batch {}, prefix cache {} MiB{budget}",
-            r.policy, r.max_batch, r.prefix_cache_mib
+            "{}, max batch {}, prefix cache {} MiB{budget}",
+            r.name(),
+            r.max_batch,
+            r.prefix_cache_mib
         )
     };
     let mut lines: Vec<String> = rows.iter().map(label).collect();

@@ -30,7 +30,7 @@ pub mod stop;
 
 use std::collections::BTreeMap;
 use std::future::Future;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -41,6 +41,7 @@ pub use config::ServeConfig;
 pub use engine::Engine;
 pub use routes::router;
 
+use crate::policy::presses::Target;
 use crate::policy::ranking::Ranking;
 use crate::policy::{Policy, Runtime};
 use crate::{Error, Result};
@@ -104,19 +105,22 @@ pub fn load_engine(cfg: &ServeConfig) -> Result<Engine> {
 /// The heads explain reports on, best first: those of `cfg.explain_ranking`, or of the
 /// default LOCOS ranking when there is one for the model (none: explain is off).
 fn explain_heads(cfg: &ServeConfig, full: &Runtime) -> Result<Option<Vec<(usize, usize)>>> {
-    let id = full.model_id();
-    let named = |p: &Path| PathBuf::from(p.to_string_lossy().replace("{model}", &id.name));
+    let (id, model) = (full.model_id(), full.model().model.config());
+    let target = Target {
+        cfg: model,
+        id,
+        base: &cfg.base_dir,
+    };
     let path = match &cfg.explain_ranking {
-        Some(p) => cfg.base_dir.join(named(p)),
+        Some(p) => target.path(p),
         None => {
-            let p = cfg.base_dir.join(named(Path::new(config::EXPLAIN_RANKING)));
+            let p = target.path(Path::new(config::EXPLAIN_RANKING));
             if !p.exists() {
                 return Ok(None);
             }
             p
         }
     };
-    let model = full.model().model.config();
     let ranking = Ranking::load(&path)?;
     ranking.check_for(&path, id, model.n_layers, model.n_heads)?;
     Ok(Some(ranking.ordered()))

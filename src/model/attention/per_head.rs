@@ -73,11 +73,12 @@ pub(crate) fn per_head(
             // Each head's weights over its rows, placed at the rows' positions.
             Some(per_row) => {
                 let mut dense = vec![0f32; nh * len];
-                for (h, weights) in per_row.iter().enumerate() {
-                    let kv = h / group;
-                    let positions = stores[kv].readable_positions(len, active[kv]);
-                    for (&p, &w) in positions.iter().zip(weights) {
-                        dense[h * len + p] = w;
+                for (kv, (store, &a)) in stores.iter().zip(active).enumerate() {
+                    let positions = store.readable_positions(len, a);
+                    for h in kv * group..(kv + 1) * group {
+                        for (&p, &w) in positions.iter().zip(&per_row[h]) {
+                            dense[h * len + p] = w;
+                        }
                     }
                 }
                 Some(Tensor::from_vec(dense, (nh, 1, len), &Device::Cpu)?)
