@@ -31,6 +31,13 @@ pub struct ResultRecord {
     pub metric: String,
     pub value: f64,
     pub n: usize,
+    /// 95% interval of `value` where the report computed one (its method is in the
+    /// experiment's README), else null.
+    #[serde(default)]
+    pub ci95: Option<[f64; 2]>,
+    /// Two-sided p-value where `value` is a tested difference, else null.
+    #[serde(default)]
+    pub p_value: Option<f64>,
     /// Numerics, build, command line and date of the run that measured it.
     #[serde(flatten)]
     pub made: Made,
@@ -59,6 +66,8 @@ pub fn recorder<'a>(
         metric: metric.to_string(),
         value,
         n,
+        ci95: None,
+        p_value: None,
         made: made.clone(),
     }
 }
@@ -162,6 +171,8 @@ mod tests {
             metric: "top1_agreement".into(),
             value: 1.0,
             n: 5,
+            ci95: None,
+            p_value: None,
             made: Made::now("reference"),
         };
         let json = serde_json::to_value(&r).unwrap();

@@ -261,6 +261,7 @@ fn scoring_does_not_overwrite_a_ranking_of_another_model() {
             acceptance: Vec::new(),
             step_source: "greedy".into(),
             steps: 0,
+            stability: Vec::new(),
             made: headwise::provenance::Made::now("fast"),
         },
         &headwise::policy::ranking::HeadMatrix::zeros(30, 9),

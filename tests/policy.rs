@@ -773,6 +773,7 @@ fn write_ranking(dir: &Path, cfg: &Config) -> std::path::PathBuf {
         acceptance: vec![],
         step_source: "teacher".into(),
         steps: 1,
+        stability: Vec::new(),
         made: Made::now("fast"),
     };
     let path = dir.join("ranking.json");

@@ -1,6 +1,8 @@
 //! Retrieval-head scoring on the real SmolLM2: a short needle-in-a-haystack trial is
 //! retrieved and credits heads under both scores, and an interrupted `heads score` run
-//! resumes without redoing finished trials.
+//! resumes without redoing finished trials, grows to a larger grid and refuses to rank
+//! on fewer accepted trials than asked; the dynamic ablation does the same with its
+//! prompts.
 
 mod common;
 
@@ -8,6 +10,7 @@ use common::real_model;
 use headwise::lab::heads::run::{LocosSteps, Scorer, TrialOutcome};
 use headwise::lab::tasks::{generate, Encoder, Haystack, TaskKind, TaskSpec};
 use headwise::model::{LoadedModel, ModelId, Numerics};
+use std::path::Path;
 
 fn spec() -> TaskSpec {
     TaskSpec {
@@ -61,7 +64,15 @@ fn a_retrieved_needle_credits_heads_under_both_scores() {
 }
 
 #[test]
-fn an_interrupted_run_resumes_without_redoing_finished_trials() {
+fn an_interrupted_run_resumes_grows_and_holds_back_a_ranking_on_too_few_trials() {
+    let Some(essays) = common::data("haystack/paul_graham") else {
+        return;
+    };
+    let data_dir = essays
+        .parent()
+        .and_then(Path::parent)
+        .unwrap()
+        .to_path_buf();
     let model = real_model();
     let out = std::env::temp_dir().join(format!("headwise-resume-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&out);
@@ -94,28 +105,159 @@ fn an_interrupted_run_resumes_without_redoing_finished_trials() {
         ),
     )
     .unwrap();
-    let run = std::process::Command::new(env!("CARGO_BIN_EXE_headwise"))
-        .args(["heads", "score", "--method", "wu", "--task", "niah"])
-        .args([
-            "--lengths",
-            "256",
-            "--depths",
-            "0.5",
-            "--trials",
-            "2",
-            "--synthetic-haystack",
-        ])
-        .arg("--model")
-        .arg(&model)
-        .arg("--out-dir")
-        .arg(&out)
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&run.stderr);
-    assert!(run.status.success(), "{err}");
+    let score = |trials: &str, min_accepted: &str| {
+        let run = std::process::Command::new(env!("CARGO_BIN_EXE_headwise"))
+            .args(["heads", "score", "--method", "all", "--task", "niah"])
+            .args(["--lengths", "256", "--depths", "0.5", "--data-dir"])
+            .arg(&data_dir)
+            .args(["--trials", trials, "--min-accepted", min_accepted])
+            .arg("--model")
+            .arg(&model)
+            .arg("--out-dir")
+            .arg(&out)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&run.stderr).to_string();
+        (run.status.success(), err)
+    };
+    // A grid of 2 trials cannot give 3 accepted ones: refused before any trial runs.
+    let (ok, err) = score("2", "3");
+    assert!(
+        !ok && err.contains("--min-accepted 3 cannot be met: the grid holds 2 trials"),
+        "{err}"
+    );
+    assert!(!dir.join("wu-niah.json").exists());
+    // The stored trial was not accepted (recall 0), so 2 accepted of 2 cannot be reached:
+    // no ranking, and the finished trials stay for the next run.
+    let (ok, err) = score("2", "2");
+    assert!(!ok, "{err}");
     assert!(err.contains("resuming: 1 trials already done"), "{err}");
-    let ranking = headwise::policy::ranking::Ranking::load(&dir.join("wu-niah.json")).unwrap();
-    assert_eq!(ranking.provenance.trials_run, 2);
+    assert!(
+        err.contains("fewer than --min-accepted 2: no ranking written"),
+        "{err}"
+    );
+    assert!(!dir.join("wu-niah.json").exists());
+    let lines = std::fs::read_to_string(&partial).unwrap().lines().count();
+    assert_eq!(lines, 3, "header and two trials");
+    // A larger grid (a third seed) reuses both and runs only the new trial.
+    let (ok, err) = score("3", "1");
+    assert!(ok, "{err}");
+    assert!(err.contains("resuming: 2 trials already done"), "{err}");
+    for method in ["wu", "locos"] {
+        let ranking =
+            headwise::policy::ranking::Ranking::load(&dir.join(format!("{method}-niah.json")))
+                .unwrap();
+        let p = &ranking.provenance;
+        assert_eq!(
+            (p.trials_run, p.task["seeds"].as_array().unwrap().len()),
+            (3, 3)
+        );
+        let ks: Vec<usize> = p.stability.iter().map(|s| s.k).collect();
+        assert_eq!(ks, [5, 10, 20]);
+        for s in &p.stability {
+            assert_eq!(s.rounds, 1000);
+            assert!((0.0..=1.0).contains(&s.p05_jaccard) && (0.0..=1.0).contains(&s.mean_jaccard));
+        }
+    }
+    assert!(!partial.exists());
+    std::fs::remove_dir_all(&out).unwrap();
+}
+
+#[test]
+fn dynamic_ablation_refuses_too_small_grids_resumes_and_grows() {
+    let Some(essays) = common::data("haystack/paul_graham") else {
+        return;
+    };
+    let data_dir = essays
+        .parent()
+        .and_then(Path::parent)
+        .unwrap()
+        .to_path_buf();
+    let model = real_model();
+    let ranking = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("policies/rankings/SmolLM2-135M-Instruct.Q4_1/locos-niah.json");
+    let out = std::env::temp_dir().join(format!("headwise-dynabl-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&out);
+    let run = |trials: &str, min_correct: &str| {
+        let run = std::process::Command::new(env!("CARGO_BIN_EXE_headwise"))
+            .args(["heads", "dynamic-ablation", "--static"])
+            .arg(&ranking)
+            .args(["--lengths", "256", "--depths", "0.5", "--max-new", "8"])
+            .args([
+                "--trials",
+                trials,
+                "--min-correct",
+                min_correct,
+                "--data-dir",
+            ])
+            .arg(&data_dir)
+            .arg("--model")
+            .arg(&model)
+            .arg("--out")
+            .arg(&out)
+            .output()
+            .unwrap();
+        (
+            run.status.success(),
+            String::from_utf8_lossy(&run.stderr).to_string(),
+        )
+    };
+    let (ok, err) = run("2", "3");
+    assert!(
+        !ok && err.contains("--min-correct 3 cannot be met: the grid holds 2 prompts"),
+        "{err}"
+    );
+    assert!(!out.join("niah-ablation.md").exists());
+    // A finished prompt the unablated model got wrong, as an earlier run would have left it.
+    std::fs::create_dir_all(&out).unwrap();
+    let id = ModelId::of_file(&model).unwrap();
+    let top: Vec<(usize, usize)> = headwise::policy::ranking::Ranking::load(&ranking)
+        .unwrap()
+        .top(20)
+        .iter()
+        .map(|h| (h.layer, h.head))
+        .collect();
+    let header = serde_json::json!({
+        "model_sha256": id.sha256, "static": top, "mode": "uniform-attention",
+        "max_new": 8, "numerics": "fast",
+    });
+    let missed = headwise::lab::heads::dynamic_ablation::PromptOutcome {
+        id: "niah-L256-D50-s100".into(),
+        context_tokens: 256,
+        correct: [false; 4],
+        steps: [8; 4],
+        silenced: [0; 4],
+        compensation: Default::default(),
+        base_active: 0,
+        base_on_static: 0,
+    };
+    let partial = out.join(".niah-ablation.partial.jsonl");
+    std::fs::write(
+        &partial,
+        format!("{header}\n{}\n", serde_json::to_string(&missed).unwrap()),
+    )
+    .unwrap();
+    // Seed 101 is answered, seed 100 (above) is not: 1 of 2, short of 2.
+    let (ok, err) = run("2", "2");
+    assert!(!ok, "{err}");
+    assert!(err.contains("resuming: 1 prompts already done"), "{err}");
+    assert!(
+        err.contains("fewer than --min-correct 2: no report written"),
+        "{err}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(&partial).unwrap().lines().count(),
+        3
+    );
+    // A third seed makes two; the report counts all three prompts.
+    let (ok, err) = run("3", "2");
+    assert!(ok, "{err}");
+    assert!(err.contains("resuming: 2 prompts already done"), "{err}");
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("niah-ablation.json")).unwrap())
+            .unwrap();
+    assert_eq!(report["summary"]["prompts"], 3);
+    assert_eq!(report["summary"]["variants"][0]["kept"]["n"], 2);
     assert!(!partial.exists());
     std::fs::remove_dir_all(&out).unwrap();
 }

@@ -2,16 +2,19 @@
 //! well the hidden state predicts them (CCA by lag); `headwise heads dynamic-ablation`:
 //! silencing each step's active heads against static and random ones.
 
+use std::collections::HashSet;
+use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use clap::Args;
 use headwise::lab::eval::Example;
 use headwise::lab::heads::cca::{cca_by_lag, cca_svg, CcaConfig};
-use headwise::lab::heads::dynamic_ablation::{ablate_example, Compensation, Variant};
+use headwise::lab::heads::dynamic_ablation::{
+    prompt_outcome, summarize, AblationSummary, PromptOutcome, Share,
+};
 use headwise::lab::heads::dynamics::{dynamics, long_tail_svg, ActiveRule};
 use headwise::lab::heads::trace::{Effective, Trace, TraceConfig};
 use headwise::lab::tasks::{self, Encoder, Haystack, TaskKind, TaskSpec};
-use headwise::metrics::contains_answer;
 use headwise::model::{LoadedModel, ModelId, Numerics};
 use headwise::policy::ablation::AblationMode;
 use headwise::policy::ranking::Ranking;
@@ -166,6 +169,11 @@ pub struct DynamicAblationArgs {
     /// Tokens generated per prompt.
     #[arg(long, default_value_t = 12)]
     max_new: usize,
+    /// Fewest prompts the unablated model must answer: a grid of fewer prompts is
+    /// refused before anything runs, and a run with fewer writes no report (its prompts
+    /// are kept: rerun with more --trials to add seeds to them).
+    #[arg(long, default_value_t = 1)]
+    min_correct: usize,
     /// Data folder (the essays).
     #[arg(long, env = "HEADWISE_DATA_DIR", default_value = "../shared/data")]
     data_dir: PathBuf,
@@ -200,65 +208,145 @@ pub fn run_ablation(args: DynamicAblationArgs) -> anyhow::Result<()> {
         .iter()
         .map(Example::from_trial)
         .collect();
+    if examples.len() < args.min_correct {
+        anyhow::bail!(
+            "--min-correct {} cannot be met: the grid holds {} prompts ({} lengths x {} depths x {} seeds); raise --trials",
+            args.min_correct,
+            examples.len(),
+            args.lengths.len(),
+            args.depths.len(),
+            args.trials
+        );
+    }
     let cfg = TraceConfig {
         label_kind: LabelKind::Binary,
         effective: Effective::default(),
         max_new: args.max_new,
         teacher: false,
     };
-    let bar = super::progress(
-        examples.len() as u64,
-        "{bar:40} {pos}/{len} prompts, {elapsed} elapsed, ETA {eta}",
-    );
-    let variants = [
-        Variant::None,
-        Variant::Dynamic,
-        Variant::Static,
-        Variant::Random,
-    ];
-    let mut correct = [0usize; 4];
-    let mut silenced = [0usize; 4];
-    let mut steps = [0usize; 4];
-    let mut comp = Compensation::default();
-    let n_heads = lm.model.config().n_heads;
-    for (i, ex) in examples.iter().enumerate() {
-        let a = ablate_example(&lm, ex, &cfg, &static_heads, args.mode, i as u64)?;
-        for (v, run) in &a.runs {
-            let slot = variants
-                .iter()
-                .position(|x| x == v)
-                .ok_or(headwise::Error::Internal("every variant run is listed"))?;
-            let text = lm.decode(&run.tokens)?;
-            correct[slot] += usize::from(contains_answer(&ex.answers, &text) == 1.0);
-            steps[slot] += run.tokens.len();
-            if *v != Variant::None {
-                silenced[slot] += a
-                    .oracle
-                    .iter()
-                    .take(run.tokens.len())
-                    .map(Vec::len)
-                    .sum::<usize>();
-            }
-            if *v == Variant::Dynamic {
-                comp.add(&a.oracle, run, &static_heads, n_heads);
-            }
-        }
-        bar.inc(1);
-    }
-    bar.finish_and_clear();
-    let n = examples.len();
-    let out = args.out.unwrap_or_else(|| {
+    let out = args.out.clone().unwrap_or_else(|| {
         PathBuf::from("eval/results")
             .join(&id.name)
             .join("dynamics")
     });
+    std::fs::create_dir_all(&out)?;
+    // One line per prompt, so that a long run resumes where it stopped; a larger grid
+    // (more seeds) reuses the prompts it shares with the file.
+    let header = serde_json::json!({
+        "model_sha256": id.sha256,
+        "static": static_heads,
+        "mode": args.mode.name(),
+        "max_new": args.max_new,
+        "numerics": numerics.name(),
+    });
+    let partial = out.join(".niah-ablation.partial.jsonl");
+    let mut outcomes: Vec<PromptOutcome> = read_partial(&partial, &header)?;
+    let in_grid: HashSet<&str> = examples.iter().map(|e| e.id.as_str()).collect();
+    let mut text = serde_json::to_string(&header)? + "\n";
+    for o in &outcomes {
+        text += &(serde_json::to_string(o)? + "\n");
+    }
+    write_atomic(&partial, text.as_bytes())?;
+    let all_in_grid = outcomes.iter().all(|o| in_grid.contains(o.id.as_str()));
+    outcomes.retain(|o| in_grid.contains(o.id.as_str()));
+    let done: HashSet<String> = outcomes.iter().map(|o| o.id.clone()).collect();
+    let mut log = std::fs::OpenOptions::new().append(true).open(&partial)?;
+    let bar = super::progress(
+        examples.len() as u64,
+        "{bar:40} {pos}/{len} prompts, {elapsed} elapsed, ETA {eta} {msg}",
+    );
+    bar.set_position(done.len() as u64);
+    for (i, ex) in examples.iter().enumerate() {
+        if done.contains(&ex.id) {
+            continue;
+        }
+        let o = prompt_outcome(&lm, ex, &cfg, &static_heads, args.mode, i as u64)?;
+        writeln!(log, "{}", serde_json::to_string(&o)?)?;
+        log.flush()?;
+        outcomes.push(o);
+        let correct = outcomes.iter().filter(|o| o.correct[0]).count();
+        bar.set_message(format!("{correct} answered unablated"));
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    let s = summarize(&outcomes);
+    let correct = s.variants[0].accuracy.hits;
+    if correct < args.min_correct {
+        anyhow::bail!(
+            "{correct} of {} prompts answered unablated, fewer than --min-correct {}: no report written; the prompts are kept in {} (rerun with more --trials to add seeds)",
+            s.prompts,
+            args.min_correct,
+            partial.display()
+        );
+    }
     let made = Made::now(numerics.name());
+    let md = ablation_markdown(&args, &id.name, &s, &made);
+    write_atomic(&out.join("niah-ablation.md"), md.as_bytes())?;
+    let json = serde_json::json!({
+        "model": id.name, "model_sha256": id.sha256, "mode": args.mode.name(),
+        "static": args.static_ranking, "k": args.k, "summary": s,
+    });
+    write_json(&out.join("niah-ablation.json"), json, &made)?;
+    if all_in_grid {
+        std::fs::remove_file(&partial)?;
+    }
+    print!("{md}");
+    Ok(())
+}
+
+/// Outcomes already in `partial` for the same model, static set, mode, length and
+/// numerics; a file of another run is an error.
+fn read_partial(partial: &Path, header: &serde_json::Value) -> anyhow::Result<Vec<PromptOutcome>> {
+    let Ok(text) = std::fs::read_to_string(partial) else {
+        return Ok(Vec::new());
+    };
+    let mut lines = text.lines();
+    let found: serde_json::Value = lines
+        .next()
+        .map(serde_json::from_str)
+        .transpose()
+        .map_err(|e| anyhow::anyhow!("{}: unreadable header ({e})", partial.display()))?
+        .unwrap_or(serde_json::Value::Null);
+    if found != *header {
+        anyhow::bail!(
+            "{} holds prompts of a different run (model, static set, --mode, --max-new or numerics); remove it to start over",
+            partial.display()
+        );
+    }
+    // a line cut by an interruption is dropped and its prompt redone
+    let out: Vec<PromptOutcome> = lines.filter_map(|l| serde_json::from_str(l).ok()).collect();
+    eprintln!(
+        "resuming: {} prompts already done in {}",
+        out.len(),
+        partial.display()
+    );
+    Ok(out)
+}
+
+/// The report: accuracy per variant over every prompt and over the ones answered
+/// unablated (Wilson intervals), the paired tests, compensation against its base rate.
+fn ablation_markdown(
+    args: &DynamicAblationArgs,
+    model: &str,
+    s: &AblationSummary,
+    made: &Made,
+) -> String {
+    let share = |x: &Share| {
+        format!(
+            "{:.3} [{:.2}, {:.2}] ({}/{})",
+            x.value, x.ci95[0], x.ci95[1], x.hits, x.n
+        )
+    };
     let mut md = format!(
-        "# Dynamic ablation on NIAH: {}\n\n{n} NIAH prompts (lengths {:?}, depths {:?}, seeds \
+        "# Dynamic ablation on NIAH: {model}\n\n{} NIAH prompts (lengths {:?}, depths {:?}, seeds \
          100..{}), greedy, {} tokens at most; heads silenced by `{}` at each step only (the \
          prompt runs unablated). Static set: top-{} of `{}`. Produced by:\n\n```\n{}\n```\n\n\
-         | variant | accuracy | heads silenced per step |\n|---|---:|---:|\n",
-        id.name,
+         Accuracy = the answer occurs in the generated text; [95% Wilson interval] (correct/n). \
+         \"Answered unablated\" keeps the {} prompts the unablated model got right, so its \
+         `None` row is 1 by construction.\n\n\
+         | variant | accuracy, all prompts | accuracy, answered unablated | heads silenced per step |\n\
+         |---|---:|---:|---:|\n",
+        s.prompts,
         args.lengths,
         args.depths,
         100 + args.trials,
@@ -266,38 +354,43 @@ pub fn run_ablation(args: DynamicAblationArgs) -> anyhow::Result<()> {
         args.mode.name(),
         args.k,
         args.static_ranking.display(),
-        made.command
+        made.command,
+        s.variants[0].accuracy.hits,
     );
-    let mut rows = Vec::new();
-    for (i, v) in variants.iter().enumerate() {
-        let acc = correct[i] as f64 / n as f64;
-        let per_step = silenced[i] as f64 / steps[i].max(1) as f64;
+    for v in &s.variants {
         md.push_str(&format!(
-            "| {v:?} | {acc:.3} ({}/{n}) | {per_step:.2} |\n",
-            correct[i]
+            "| {:?} | {} | {} | {:.2} |\n",
+            v.variant,
+            share(&v.accuracy),
+            share(&v.kept),
+            v.silenced_per_step
         ));
-        rows.push(serde_json::json!({"variant": v, "accuracy": acc, "n": n, "silenced_per_step": per_step}));
     }
-    let share = comp.in_static as f64 / comp.new_active.max(1) as f64;
+    md.push_str(
+        "\nPaired on the prompts answered unablated (exact McNemar: the discordant prompts \
+         of each pair, two-sided):\n\n| a | b | only a right | only b right | p |\n|---|---|---:|---:|---:|\n",
+    );
+    for t in &s.tests {
+        md.push_str(&format!(
+            "| {:?} | {:?} | {} | {} | {:.4} |\n",
+            t.a, t.b, t.only_a, t.only_b, t.p_value
+        ));
+    }
     md.push_str(&format!(
         "\nCompensation: with the dynamic heads silenced, {} (step, head) activations over {} \
          steps were new (heads not active at that step unablated), from {} distinct heads; \
-         {:.1}% of them are in the static top-{}.\n",
-        comp.new_active,
-        comp.steps,
-        comp.distinct_heads.len(),
-        100.0 * share,
+         {} of them are in the static top-{}. Base rate: of every activation in the \
+         unablated runs, {} fall on the static top-{}.\n",
+        s.compensation.new_active,
+        s.compensation.steps,
+        s.compensation.distinct_heads.len(),
+        share(&s.compensation_in_static),
+        args.k,
+        share(&s.base_rate_in_static),
         args.k
     ));
     md.push_str(&format!("\n{}\n", made.markdown()));
-    write_atomic(&out.join("niah-ablation.md"), md.as_bytes())?;
-    let json = serde_json::json!({
-        "model": id.name, "model_sha256": id.sha256, "mode": args.mode.name(),
-        "variants": rows, "compensation": comp, "static_in_compensation": share,
-    });
-    write_json(&out.join("niah-ablation.json"), json, &made)?;
-    print!("{md}");
-    Ok(())
+    md
 }
 
 /// A JSON report (an object) with its provenance at the top level.

@@ -7,12 +7,13 @@ use std::path::{Path, PathBuf};
 
 use clap::{Subcommand, ValueEnum};
 use headwise::lab::heads::run::{aggregate, LocosSteps, Scorer, TrialOutcome};
+use headwise::lab::heads::stability;
 use headwise::lab::tasks::{self, Haystack, TaskKind, TaskSpec};
 use headwise::model::{Config, GgufFile, LoadedModel, ModelId, Numerics};
 use headwise::policy::atlas::{self, AtlasFormat};
 use headwise::policy::presses::{DEFAULT_SINK, DEFAULT_WINDOW};
 use headwise::policy::ranking::{
-    check_comparable, jaccard_top_k, spearman, Acceptance, Provenance, Ranking,
+    check_comparable, jaccard_top_k, spearman, Acceptance, Provenance, Ranking, TopKStability,
 };
 use headwise::provenance::{Made, NO_MODEL};
 
@@ -105,6 +106,15 @@ pub enum HeadsCommand {
         /// Where rankings go.
         #[arg(long, default_value = "policies/rankings")]
         out_dir: PathBuf,
+        /// Fewest accepted trials a ranking may rest on: a grid with fewer trials is
+        /// refused before anything runs, and a run that accepts fewer writes no ranking
+        /// (its trials are kept: rerun with more --trials to add seeds to them).
+        #[arg(long, default_value_t = 1)]
+        min_accepted: usize,
+        /// Bootstrap resamples of the accepted trials for the top-5/10/20 stability the
+        /// ranking records.
+        #[arg(long, default_value_t = 1000)]
+        bootstrap: usize,
         #[command(flatten)]
         model: ModelArgs,
     },
@@ -178,6 +188,7 @@ pub fn run(cmd: HeadsCommand) -> anyhow::Result<()> {
                 p.trials_run,
                 p.steps
             );
+            print_stability(&p.stability);
             println!(
                 "| rank | layer | head | kv head | score |\n| ---: | ---: | ---: | ---: | ---: |"
             );
@@ -243,6 +254,8 @@ pub fn run(cmd: HeadsCommand) -> anyhow::Result<()> {
             data_dir,
             synthetic_haystack,
             out_dir,
+            min_accepted,
+            bootstrap,
             model,
         } => {
             let spec = TaskSpec {
@@ -260,6 +273,8 @@ pub fn run(cmd: HeadsCommand) -> anyhow::Result<()> {
                 data_dir,
                 synthetic_haystack,
                 out_dir,
+                min_accepted,
+                bootstrap,
                 model,
             };
             score(&args)
@@ -276,17 +291,44 @@ struct ScoreArgs {
     data_dir: PathBuf,
     synthetic_haystack: bool,
     out_dir: PathBuf,
+    min_accepted: usize,
+    bootstrap: usize,
     model: ModelArgs,
 }
 
 /// The first line of a partial-results file: what run the outcomes below belong to.
-#[derive(serde::Serialize, serde::Deserialize, PartialEq)]
+/// Trials of the same model, task kind, generation length, LOCOS steps, numerics and
+/// haystack are interchangeable (a trial's id fixes its length, depth and seed), so a run
+/// with a larger grid resumes a smaller one's file.
+#[derive(serde::Serialize, serde::Deserialize)]
 struct PartialHeader {
     model_sha256: String,
     spec: serde_json::Value,
     max_new: usize,
     locos_steps: LocosSteps,
+    /// Absent in files written before it was recorded (those runs used `fast` and the
+    /// data folder's haystack unless their command said otherwise).
+    #[serde(default)]
+    numerics: Option<String>,
+    #[serde(default)]
+    haystack: Option<String>,
 }
+
+impl PartialHeader {
+    /// Whether the outcomes under `self` can be reused by a run described by `now`.
+    fn serves(&self, now: &PartialHeader) -> bool {
+        let known = |a: &Option<String>, b: &Option<String>| a.is_none() || a == b;
+        self.model_sha256 == now.model_sha256
+            && self.spec.get("kind") == now.spec.get("kind")
+            && self.max_new == now.max_new
+            && self.locos_steps == now.locos_steps
+            && known(&self.numerics, &now.numerics)
+            && known(&self.haystack, &now.haystack)
+    }
+}
+
+/// The heads' top-k sizes whose bootstrap stability a ranking records.
+const STABILITY_KS: [usize; 3] = [5, 10, 20];
 
 fn score(args: &ScoreArgs) -> anyhow::Result<()> {
     let path = args.model.resolve()?;
@@ -324,6 +366,16 @@ fn score(args: &ScoreArgs) -> anyhow::Result<()> {
         Haystack::from_dir(&args.data_dir.join("haystack/paul_graham"))?
     };
     let trials = tasks::generate(&args.spec, &tasks::Encoder::from_model(&lm), &haystack)?;
+    if trials.len() < args.min_accepted {
+        anyhow::bail!(
+            "--min-accepted {} cannot be met: the grid holds {} trials ({} lengths x {} depths x {} seeds, one depth at length 0); raise --trials",
+            args.min_accepted,
+            trials.len(),
+            args.spec.lengths.len(),
+            args.spec.depths.len(),
+            args.spec.seeds.len()
+        );
+    }
     std::fs::create_dir_all(&dir)?;
     let spec_json = serde_json::to_value(&args.spec)?;
     let header = PartialHeader {
@@ -331,14 +383,28 @@ fn score(args: &ScoreArgs) -> anyhow::Result<()> {
         spec: spec_json.clone(),
         max_new: args.max_new,
         locos_steps: args.locos_steps,
+        numerics: Some(numerics.name().to_string()),
+        haystack: Some(haystack.name().to_string()),
     };
-    let partial = dir.join(format!(".{}.partial.jsonl", args.task.name()));
-    let mut outcomes = resume(&partial, &header)?;
+    let partial = dir.join(format!(
+        ".{}{}.partial.jsonl",
+        args.task.name(),
+        partial_suffix(args.locos_steps, numerics)
+    ));
+    let kept = resume(&partial, &header)?;
+    // Trials of this grid already done; the file keeps the others too (a smaller grid
+    // run on a larger grid's file must not delete its trials).
+    let in_grid: HashSet<&str> = trials.iter().map(|t| t.id.as_str()).collect();
+    let mut outcomes: Vec<TrialOutcome> = kept
+        .iter()
+        .filter(|o| in_grid.contains(o.id.as_str()))
+        .cloned()
+        .collect();
     let done: HashSet<String> = outcomes.iter().map(|o| o.id.clone()).collect();
     // Rewrite the file with what was read back, so that a line cut by an interruption
     // does not swallow the next one.
     let mut text = serde_json::to_string(&header)? + "\n";
-    for o in &outcomes {
+    for o in &kept {
         text += &(serde_json::to_string(o)? + "\n");
     }
     headwise::results::write_atomic(&partial, text.as_bytes())?;
@@ -361,6 +427,15 @@ fn score(args: &ScoreArgs) -> anyhow::Result<()> {
     bar.finish();
     let cfg = lm.model.config();
     let (wu, locos, accepted, steps) = aggregate(&outcomes, cfg.n_layers, cfg.n_heads);
+    if accepted < args.min_accepted {
+        anyhow::bail!(
+            "{accepted} of {} trials accepted, fewer than --min-accepted {}: no ranking written; the trials are kept in {} (rerun with more --trials to add seeds)",
+            outcomes.len(),
+            args.min_accepted,
+            partial.display()
+        );
+    }
+    let accepted_trials: Vec<&TrialOutcome> = outcomes.iter().filter(|o| o.accepted()).collect();
     let mut acceptance: Vec<Acceptance> = Vec::new();
     for &len in &args.spec.lengths {
         let at: Vec<&TrialOutcome> = outcomes
@@ -377,11 +452,19 @@ fn score(args: &ScoreArgs) -> anyhow::Result<()> {
     }
     let made = Made::now(numerics.name());
     for (m, target) in methods.iter().zip(&targets) {
-        let (scores, steps) = if *m == "wu" {
-            (&wu, accepted)
+        let (scores, steps, which) = if *m == "wu" {
+            (&wu, accepted, stability::Method::Wu)
         } else {
-            (&locos, steps)
+            (&locos, steps, stability::Method::Locos)
         };
+        let stable = stability::bootstrap_top_k(
+            &accepted_trials,
+            which,
+            cfg.n_layers * cfg.n_heads,
+            &STABILITY_KS,
+            args.bootstrap,
+            0,
+        );
         let r = Ranking::new(
             Provenance {
                 model: id.name.clone(),
@@ -397,6 +480,7 @@ fn score(args: &ScoreArgs) -> anyhow::Result<()> {
                     args.locos_steps.name().to_string()
                 },
                 steps,
+                stability: stable,
                 made: made.clone(),
             },
             scores,
@@ -409,8 +493,12 @@ fn score(args: &ScoreArgs) -> anyhow::Result<()> {
             target.display(),
             outcomes.len()
         );
+        print_stability(&r.provenance.stability);
     }
-    std::fs::remove_file(&partial)?;
+    // The trials file goes once its every trial is in a written ranking.
+    if kept.iter().all(|o| in_grid.contains(o.id.as_str())) {
+        std::fs::remove_file(&partial)?;
+    }
     Ok(())
 }
 
@@ -426,9 +514,9 @@ fn resume(partial: &Path, header: &PartialHeader) -> anyhow::Result<Vec<TrialOut
     };
     let found: PartialHeader = serde_json::from_str(&first)
         .map_err(|e| anyhow::anyhow!("{}: unreadable header ({e})", partial.display()))?;
-    if found != *header {
+    if !found.serves(header) {
         anyhow::bail!(
-            "{} holds trials of a different run (model, task spec, --max-new or --locos-steps); remove it to start over",
+            "{} holds trials of a different run (model, task, --max-new, --locos-steps, numerics or haystack); remove it to start over",
             partial.display()
         );
     }
@@ -446,4 +534,28 @@ fn resume(partial: &Path, header: &PartialHeader) -> anyhow::Result<Vec<TrialOut
         partial.display()
     );
     Ok(out)
+}
+
+/// The partial file's name part after the task: empty for the default greedy steps and
+/// fast numerics (so files of earlier runs keep resuming), else what differs, so that runs
+/// of other steps or numerics into the same folder keep their trials apart.
+fn partial_suffix(steps: LocosSteps, numerics: Numerics) -> String {
+    let mut s = String::new();
+    if steps != LocosSteps::Greedy {
+        s += &format!("-{}", steps.name());
+    }
+    if numerics != Numerics::Fast {
+        s += &format!("-{}", numerics.name());
+    }
+    s
+}
+
+/// The stability lines `heads score` and `heads show` print.
+fn print_stability(stability: &[TopKStability]) {
+    for s in stability {
+        println!(
+            "top-{} bootstrap Jaccard with the full set: mean {:.3}, 5th percentile {:.3} ({} resamples)",
+            s.k, s.mean_jaccard, s.p05_jaccard, s.rounds
+        );
+    }
 }

@@ -28,6 +28,9 @@ pub(crate) struct Series<X> {
     pub(crate) points: Vec<(X, f64)>,
     pub(crate) color: RGBAColor,
     pub(crate) mark: Mark,
+    /// A vertical error bar `(low, high)` per point, in the points' order; empty for
+    /// none.
+    pub(crate) bars: Vec<(f64, f64)>,
 }
 
 /// The label of the tick at an x value.
@@ -112,6 +115,10 @@ where
     for s in series {
         let color = s.color;
         let points = s.points.iter().copied();
+        plot.draw_series(s.points.iter().zip(&s.bars).map(|(&(x, y), &(lo, hi))| {
+            ErrorBar::new_vertical(x, lo, y, hi, color.stroke_width(1), 6)
+        }))
+        .map_err(plot_error)?;
         match s.mark {
             Mark::Line { width, dot } => {
                 plot.draw_series(LineSeries::new(points.clone(), color.stroke_width(width)))

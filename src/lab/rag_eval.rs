@@ -518,6 +518,8 @@ pub fn write_report(
                     metric: metric.into(),
                     value,
                     n: rs.len(),
+                    ci95: None,
+                    p_value: None,
                     made: made.clone(),
                 });
             }

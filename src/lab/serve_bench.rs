@@ -468,6 +468,8 @@ pub fn write_report(
                 metric: metric.into(),
                 value,
                 n: r.requests,
+                ci95: None,
+                p_value: None,
                 made: made.clone(),
             });
         }
@@ -537,6 +539,7 @@ pub fn write_report(
                 .collect(),
             color: Palette99::pick(i).to_rgba(),
             mark: Mark::Line { width: 2, dot: 4 },
+            bars: Vec::new(),
         })
         .collect();
     let x_max = rows

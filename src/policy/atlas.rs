@@ -280,6 +280,7 @@ pub fn import(
         acceptance: Vec::new(),
         step_source: "imported".into(),
         steps: 0,
+        stability: Vec::new(),
         made,
     };
     let r = Ranking::new(provenance, &m, kv);

@@ -84,6 +84,19 @@ pub struct Acceptance {
     pub accepted: usize,
 }
 
+/// How stable the top-`k` heads are under resampling of the accepted trials: the
+/// Jaccard overlap of each bootstrap resample's top-`k` with the full set's.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TopKStability {
+    pub k: usize,
+    /// Mean overlap over the resamples.
+    pub mean_jaccard: f64,
+    /// Its 5th percentile: 95% of resamples overlap at least this much.
+    pub p05_jaccard: f64,
+    /// Resamples drawn.
+    pub rounds: usize,
+}
+
 impl Versioned for Ranking {
     const KIND: &'static str = "ranking";
     const SCHEMA_VERSION: u32 = SCHEMA_VERSION;
@@ -124,6 +137,10 @@ pub struct Provenance {
     pub step_source: String,
     /// Steps averaged over (LOCOS: answer steps of accepted trials; Wu: accepted trials).
     pub steps: usize,
+    /// Bootstrap stability of the top heads (empty for imported rankings and rankings
+    /// scored before it was recorded).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub stability: Vec<TopKStability>,
     /// Numerics, build, command line and date of the scoring run.
     #[serde(flatten)]
     pub made: Made,
@@ -455,6 +472,7 @@ pub(crate) mod tests {
             }],
             step_source: "greedy".into(),
             steps: 2,
+            stability: Vec::new(),
             made: Made::now("fast"),
         };
         Ranking::new(p, &m, 2)

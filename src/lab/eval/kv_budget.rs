@@ -610,6 +610,8 @@ pub fn write_report(dir: &Path) -> Result<Vec<ResultRecord>> {
             metric: metric.to_string(),
             value,
             n,
+            ci95: None,
+            p_value: None,
             made: info.made.clone(),
         });
     };
@@ -799,6 +801,7 @@ pub fn write_report(dir: &Path) -> Result<Vec<ResultRecord>> {
                     points: pts,
                     color: Palette99::pick(i).to_rgba(),
                     mark: Mark::Line { width: 2, dot: 4 },
+                    bars: Vec::new(),
                 }
             })
             .collect();
@@ -828,6 +831,7 @@ pub fn write_report(dir: &Path) -> Result<Vec<ResultRecord>> {
                 points,
                 color: Palette99::pick(i).to_rgba(),
                 mark: Mark::Line { width: 2, dot: 4 },
+                bars: Vec::new(),
             })
             .collect();
         let x_max = lines

@@ -140,6 +140,7 @@ pub(crate) fn plot(rows: &[Row], title: &str) -> Result<String> {
                 points,
                 color: Palette99::pick(i).to_rgba(),
                 mark: Mark::Line { width: 2, dot: 4 },
+                bars: Vec::new(),
             }
         })
         .collect();

@@ -13,6 +13,7 @@ use plotters::prelude::{Color, Palette, Palette99, SeriesLabelPosition};
 use crate::lab::eval::run::{read_all_records, read_json, ExampleRecord, RunInfo, BASELINE};
 use crate::lab::eval::spec::TaskSource;
 use crate::lab::plot::{self, line_chart, Chart, Mark};
+use crate::lab::stats::{bootstrap95, interval95, sign_flip_p, two_way_interval95};
 use crate::provenance::machine;
 use crate::results::{write_atomic, write_experiment, ResultRecord, SCHEMA_VERSION};
 use crate::{Error, Result};
@@ -91,10 +92,13 @@ pub fn summarize(info: &RunInfo, records: &[ExampleRecord]) -> Vec<ResultRecord>
         metric: metric.to_string(),
         value,
         n,
+        ci95: None,
+        p_value: None,
         made: info.made.clone(),
     };
     let mut out = Vec::new();
     for (g, rs) in &groups {
+        let pooled = g.seed.is_none() && random.contains(g.selection.as_str());
         for m in &info.spec.metrics {
             let vals: Vec<f64> = rs
                 .iter()
@@ -102,10 +106,19 @@ pub fn summarize(info: &RunInfo, records: &[ExampleRecord]) -> Vec<ResultRecord>
                 .copied()
                 .collect();
             if !vals.is_empty() {
-                out.push(record(g, m.name(), mean(&vals), vals.len()));
+                let ci = if pooled {
+                    seeds_by_examples(rs, m.name())
+                        .map_or_else(|| interval95(&vals), |v| two_way_interval95(&v))
+                } else {
+                    interval95(&vals)
+                };
+                let mut rec = record(g, m.name(), mean(&vals), vals.len());
+                rec.ci95 = Some([ci.0, ci.1]);
+                out.push(rec);
             }
         }
     }
+    out.extend(comparisons(info, records, &dropped, &random, &record));
     // Controls: the pool and the share the unablated model got right.
     let mut pools: BTreeMap<&str, (usize, usize)> = BTreeMap::new();
     for r in records.iter().filter(|r| r.selection == BASELINE) {
@@ -133,6 +146,122 @@ fn mean(v: &[f64]) -> f64 {
     v.iter().sum::<f64>() / v.len().max(1) as f64
 }
 
+/// A pooled random cell's scores as one row per seed over the examples every seed
+/// answered (in one order), for [`two_way_interval95`]; `None` with fewer than two
+/// seeds or no common example.
+fn seeds_by_examples(rs: &[&ExampleRecord], metric: &str) -> Option<Vec<Vec<f64>>> {
+    let mut by_seed: BTreeMap<Option<u64>, BTreeMap<(&str, usize), f64>> = BTreeMap::new();
+    for r in rs {
+        if let Some(v) = r.scores.get(metric) {
+            by_seed
+                .entry(r.seed)
+                .or_default()
+                .insert((r.example.as_str(), r.context_tokens), *v);
+        }
+    }
+    let first = by_seed.values().next()?;
+    let common: Vec<(&str, usize)> = first
+        .keys()
+        .filter(|e| by_seed.values().all(|m| m.contains_key(*e)))
+        .copied()
+        .collect();
+    if by_seed.len() < 2 || common.is_empty() {
+        return None;
+    }
+    Some(
+        by_seed
+            .values()
+            .map(|m| common.iter().map(|e| m[e]).collect())
+            .collect(),
+    )
+}
+
+/// Per (task, length or all, k), the first metric of every pair of selections on the
+/// examples both answered: the mean difference with a 95% bootstrap interval and the
+/// paired sign-flip test's p-value (exact McNemar for 0/1 scores). A random selection
+/// counts as its per-example mean over its seeds, so its test is conditional on the
+/// head sets drawn. Records: selection `"A - B"`, metric `<metric>_diff`.
+fn comparisons(
+    info: &RunInfo,
+    records: &[ExampleRecord],
+    dropped: &BTreeSet<(&str, &str)>,
+    random: &BTreeSet<&str>,
+    record: &dyn Fn(&Group, &str, f64, usize) -> ResultRecord,
+) -> Vec<ResultRecord> {
+    let Some(metric) = info.spec.metrics.first().map(|m| m.name()) else {
+        return Vec::new();
+    };
+    // (task, k, selection) -> (example, length) -> scores over seeds
+    type Cell<'a> = BTreeMap<(&'a str, usize), Vec<f64>>;
+    let mut cells: BTreeMap<(&str, usize, &str), Cell> = BTreeMap::new();
+    for r in records {
+        if r.selection == BASELINE || dropped.contains(&(r.task.as_str(), r.example.as_str())) {
+            continue;
+        }
+        if let Some(v) = r.scores.get(metric) {
+            cells
+                .entry((r.task.as_str(), r.k, r.selection.as_str()))
+                .or_default()
+                .entry((r.example.as_str(), r.context_tokens))
+                .or_default()
+                .push(*v);
+        }
+    }
+    let mut out = Vec::new();
+    for ((task, k, a), ea) in &cells {
+        for ((task_b, k_b, b), eb) in cells.range((*task, *k, "")..) {
+            if (task_b, k_b) != (task, k) || b <= a {
+                continue;
+            }
+            // The non-random selection first, so that differences read "ranking - random".
+            let (a, b, ea, eb) = if random.contains(a) && !random.contains(b) {
+                (b, a, eb, ea)
+            } else {
+                (a, b, ea, eb)
+            };
+            let pairs: Vec<(usize, f64)> = ea
+                .iter()
+                .filter_map(|(e, va)| Some((e.1, mean(va) - mean(eb.get(e)?))))
+                .collect();
+            let mut lengths: Vec<Option<usize>> = vec![None];
+            if matches!(
+                TaskSource::parse(task),
+                Ok(TaskSource::Needle(_) | TaskSource::Babilong(_))
+            ) {
+                let mut l: Vec<usize> = pairs.iter().map(|p| p.0).collect();
+                l.sort_unstable();
+                l.dedup();
+                if l.len() > 1 {
+                    lengths.extend(l.into_iter().map(Some));
+                }
+            }
+            for len in lengths {
+                let d: Vec<f64> = pairs
+                    .iter()
+                    .filter(|p| len.is_none_or(|l| p.0 == l))
+                    .map(|p| p.1)
+                    .collect();
+                if d.is_empty() {
+                    continue;
+                }
+                let g = Group {
+                    task: task.to_string(),
+                    context_tokens: len,
+                    selection: format!("{a} - {b}"),
+                    seed: None,
+                    k: *k,
+                };
+                let ci = bootstrap95(&d);
+                let mut rec = record(&g, &format!("{metric}_diff"), mean(&d), d.len());
+                rec.ci95 = Some([ci.0, ci.1]);
+                rec.p_value = Some(sign_flip_p(&d));
+                out.push(rec);
+            }
+        }
+    }
+    out
+}
+
 /// Write `summary.json`, `README.md` and the plots for the run in `dir`.
 pub fn write_report(dir: &Path) -> Result<Vec<ResultRecord>> {
     let info: RunInfo = read_json(&dir.join("run.json"))?;
@@ -147,8 +276,10 @@ pub fn write_report(dir: &Path) -> Result<Vec<ResultRecord>> {
     let total_heads = info.n_layers * info.n_heads;
     let mut md = format!(
         "# {} on {}\n\nModel sha256 `{}`; {} layers x {} heads = {total_heads} heads. \
-         Ablation mode **{}**. Each cell is a metric's mean over examples with \
-         the number of examples in brackets; k = 0 is the unablated model.\n\n",
+         Ablation mode **{}**. Each cell is a metric's mean over examples, its 95% \
+         interval in square brackets (Wilson's for 0/1 scores, else a bootstrap over \
+         examples; a pooled random row resamples its seeds and the examples both) and the \
+         number of answers in parentheses; k = 0 is the unablated model.\n\n",
         info.spec.name,
         info.model,
         info.model_sha256,
@@ -233,7 +364,7 @@ pub fn write_report(dir: &Path) -> Result<Vec<ResultRecord>> {
                 .filter(|r| r.context_tokens.is_none())
                 .collect();
             let series = series(&overall);
-            if series.iter().any(|(_, pts)| pts.len() > 2) {
+            if series.iter().any(|(_, pts, _)| pts.len() > 2) {
                 let title = format!(
                     "{task}: {metric} vs heads ablated ({})",
                     info.spec.mode.name()
@@ -243,12 +374,12 @@ pub fn write_report(dir: &Path) -> Result<Vec<ResultRecord>> {
                 write_atomic(&dir.join(format!("{name}.svg")), svg.as_bytes())?;
                 let frac: Vec<Series> = series
                     .iter()
-                    .map(|(n, pts)| {
+                    .map(|(n, pts, bars)| {
                         let pts = pts
                             .iter()
                             .map(|&(k, v)| (100.0 * k / total_heads as f64, v))
                             .collect();
-                        (n.clone(), pts)
+                        (n.clone(), pts, bars.clone())
                     })
                     .collect();
                 let svg = line_plot(&title, "heads ablated, % of all heads", metric, &frac)?;
@@ -259,15 +390,60 @@ pub fn write_report(dir: &Path) -> Result<Vec<ResultRecord>> {
             }
         }
     }
+    let diffs: Vec<&ResultRecord> = summary.iter().filter(|r| r.p_value.is_some()).collect();
+    if !diffs.is_empty() {
+        md.push_str(&paired_section(&diffs));
+    }
     write_experiment(dir, &md, &summary, &info.made)?;
     Ok(summary)
 }
 
-/// A table row's cells: k -> (value, n).
-type Row = BTreeMap<usize, (f64, usize)>;
+/// The paired comparisons ([`comparisons`]) as one table per task.
+fn paired_section(diffs: &[&ResultRecord]) -> String {
+    let mut md = String::from(
+        "## Paired comparisons\n\nPer task and k, each pair of selections on the examples both \
+         answered: the mean per-example difference of the first metric (first minus second) \
+         with a 95% bootstrap interval, and the two-sided p-value of the paired sign-flip test \
+         (exact McNemar for 0/1 scores; not corrected for the number of comparisons). A random \
+         selection enters as each example's mean over its seeds, so its test holds the drawn \
+         head sets fixed.\n\n",
+    );
+    let tasks: BTreeSet<&str> = diffs.iter().filter_map(|r| r.task.as_deref()).collect();
+    for task in tasks {
+        md.push_str(&format!(
+            "### {task}\n\n| k | comparison | context | n | difference [95%] | p |\n|---:|---|---:|---:|---|---:|\n"
+        ));
+        for r in diffs.iter().filter(|r| r.task.as_deref() == Some(task)) {
+            let [lo, hi] = r.ci95.unwrap_or([r.value, r.value]);
+            md.push_str(&format!(
+                "| {} | {} | {} | {} | {:+.3} [{lo:+.2}, {hi:+.2}] | {:.3} |\n",
+                r.k.unwrap_or(0),
+                r.selection.as_deref().unwrap_or(""),
+                r.context_tokens
+                    .map_or("all".to_string(), |c| c.to_string()),
+                r.n,
+                r.value,
+                r.p_value.unwrap_or(1.0)
+            ));
+        }
+        md.push('\n');
+    }
+    md
+}
 
-/// A plotted line: its name and its (x, y) points.
-type Series = (String, Vec<(f64, f64)>);
+/// A table row's cells: k -> the cell's record.
+type Row<'a> = BTreeMap<usize, &'a ResultRecord>;
+
+/// A plotted line: its name, its (x, y) points and each point's 95% interval.
+type Series = (String, Vec<(f64, f64)>, Vec<(f64, f64)>);
+
+/// A cell: `mean [low, high] (n)`, or `mean (n)` without an interval.
+fn cell(r: &ResultRecord) -> String {
+    match r.ci95 {
+        Some([lo, hi]) => format!("{:.3} [{lo:.2}, {hi:.2}] ({})", r.value, r.n),
+        None => format!("{:.3} ({})", r.value, r.n),
+    }
+}
 
 /// A Markdown table: one row per selection (random seeds pooled, plus each seed), one
 /// column per k.
@@ -276,14 +452,16 @@ fn table(cells: &[&ResultRecord]) -> String {
     let mut rows: BTreeMap<(String, Option<u64>), Row> = BTreeMap::new();
     let baseline = cells
         .iter()
+        .copied()
         .find(|r| r.selection.as_deref() == Some(BASELINE));
     for r in cells
         .iter()
+        .copied()
         .filter(|r| r.selection.as_deref() != Some(BASELINE))
     {
         rows.entry((r.selection.clone().unwrap_or_default(), r.seed))
             .or_default()
-            .insert(r.k.unwrap_or(0), (r.value, r.n));
+            .insert(r.k.unwrap_or(0), r);
     }
     let mut out = String::from("| selection |");
     for k in &ks {
@@ -303,12 +481,12 @@ fn table(cells: &[&ResultRecord]) -> String {
         out.push_str(&format!("| {name} |"));
         for k in &ks {
             let v = if *k == 0 {
-                baseline.map(|b| (b.value, b.n))
+                baseline
             } else {
                 vals.get(k).copied()
             };
             match v {
-                Some((v, n)) => out.push_str(&format!(" {v:.3} ({n}) |")),
+                Some(r) => out.push_str(&format!(" {} |", cell(r))),
                 None => out.push_str(" - |"),
             }
         }
@@ -317,13 +495,17 @@ fn table(cells: &[&ResultRecord]) -> String {
     out
 }
 
-/// One line per selection (random: pooled over seeds), each starting at the baseline.
+/// One line per selection (random: pooled over seeds), each starting at the baseline,
+/// with each point's interval.
 fn series(rows: &[&ResultRecord]) -> Vec<Series> {
+    let ci = |r: &ResultRecord| r.ci95.map_or((r.value, r.value), |[lo, hi]| (lo, hi));
     let baseline = rows
         .iter()
         .find(|r| r.selection.as_deref() == Some(BASELINE))
-        .map(|r| r.value);
-    let mut lines: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
+        .map(|r| (r.value, ci(r)));
+    // selection -> (k, value, interval) per point
+    type Point = (f64, f64, (f64, f64));
+    let mut lines: BTreeMap<String, Vec<Point>> = BTreeMap::new();
     for r in rows {
         let sel = r.selection.clone().unwrap_or_default();
         if sel == BASELINE || r.seed.is_some() {
@@ -332,16 +514,17 @@ fn series(rows: &[&ResultRecord]) -> Vec<Series> {
         lines
             .entry(sel)
             .or_default()
-            .push((r.k.unwrap_or(0) as f64, r.value));
+            .push((r.k.unwrap_or(0) as f64, r.value, ci(r)));
     }
     lines
         .into_iter()
         .map(|(name, mut pts)| {
-            if let Some(b) = baseline {
-                pts.push((0.0, b));
+            if let Some((b, bar)) = baseline {
+                pts.push((0.0, b, bar));
             }
             pts.sort_by(|a, b| a.0.total_cmp(&b.0));
-            (name, pts)
+            let bars = pts.iter().map(|p| p.2).collect();
+            (name, pts.iter().map(|p| (p.0, p.1)).collect(), bars)
         })
         .collect()
 }
@@ -350,11 +533,11 @@ fn series(rows: &[&ResultRecord]) -> Vec<Series> {
 pub fn line_plot(title: &str, x_label: &str, y_label: &str, series: &[Series]) -> Result<String> {
     let x_max = series
         .iter()
-        .flat_map(|(_, p)| p.iter().map(|q| q.0))
+        .flat_map(|(_, p, _)| p.iter().map(|q| q.0))
         .fold(1.0, f64::max);
     let y_max = series
         .iter()
-        .flat_map(|(_, p)| p.iter().map(|q| q.1))
+        .flat_map(|(_, p, bars)| p.iter().map(|q| q.1).chain(bars.iter().map(|b| b.1)))
         .fold(1.0, f64::max);
     let chart = Chart {
         title,
@@ -371,12 +554,102 @@ pub fn line_plot(title: &str, x_label: &str, y_label: &str, series: &[Series]) -
     let lines: Vec<plot::Series<f64>> = series
         .iter()
         .enumerate()
-        .map(|(i, (name, points))| plot::Series {
+        .map(|(i, (name, points, bars))| plot::Series {
             name: name.clone(),
             points: points.clone(),
             color: Palette99::pick(i).to_rgba(),
             mark: Mark::Line { width: 2, dot: 3 },
+            bars: bars.clone(),
         })
         .collect();
     line_chart(&chart, &lines)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::lab::eval::spec::EvalSpec;
+    use crate::lab::stats::wilson;
+    use crate::provenance::Made;
+
+    fn info() -> RunInfo {
+        let dir = std::env::temp_dir().join(format!("headwise-report-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("spec.toml");
+        std::fs::write(
+            &path,
+            "name = \"t\"\nmodel = \"smollm2-135m\"\nmode = \"mean-output\"\nk = [0, 2]\n\
+             metrics = [\"accuracy\"]\n[[task]]\nname = \"control_city\"\nlimit = 9\n\
+             [[selection]]\nname = \"top\"\nranking = \"r.json\"\n\
+             [[selection]]\nname = \"random\"\nrandom_seeds = [0, 1]\n",
+        )
+        .unwrap();
+        let spec = EvalSpec::load(&path).unwrap();
+        std::fs::remove_dir_all(dir).unwrap();
+        RunInfo {
+            schema_version: 1,
+            spec,
+            model: "m".into(),
+            model_sha256: "00".into(),
+            n_layers: 2,
+            n_heads: 2,
+            made: Made::now("fast"),
+        }
+    }
+
+    fn rec(example: usize, selection: &str, seed: Option<u64>, k: usize, v: f64) -> ExampleRecord {
+        ExampleRecord {
+            task: "control_city".into(),
+            example: format!("e{example}"),
+            context_tokens: 0,
+            selection: selection.into(),
+            seed,
+            k,
+            mode: "mean-output".into(),
+            prediction: String::new(),
+            scores: [("accuracy".to_string(), v)].into(),
+            kept: Some(true),
+            secs: 0.0,
+        }
+    }
+
+    #[test]
+    fn cells_carry_intervals_and_pairs_are_tested_on_shared_examples() {
+        // Nine examples: the top heads break all of them; random seed 0 breaks none and
+        // seed 1 breaks the first three.
+        let mut records = Vec::new();
+        for e in 0..9 {
+            records.push(rec(e, BASELINE, None, 0, 1.0));
+            records.push(rec(e, "top", None, 2, 0.0));
+            records.push(rec(e, "random", Some(0), 2, 1.0));
+            records.push(rec(e, "random", Some(1), 2, if e < 3 { 0.0 } else { 1.0 }));
+        }
+        let summary = summarize(&info(), &records);
+        let find = |sel: &str, metric: &str| {
+            summary
+                .iter()
+                .find(|r| {
+                    r.selection.as_deref() == Some(sel) && r.metric == metric && r.seed.is_none()
+                })
+                .unwrap()
+        };
+        let top = find("top", "accuracy");
+        assert_eq!((top.value, top.n), (0.0, 9));
+        let (lo, hi) = wilson(0, 9);
+        assert_eq!(top.ci95, Some([lo, hi]));
+        // The pooled random cell: 15 of 18, its interval from resampling seeds too, so
+        // it must reach below seed 1's own mean (6/9).
+        let random = find("random", "accuracy");
+        assert!((random.value - 15.0 / 18.0).abs() < 1e-12);
+        let [rlo, rhi] = random.ci95.unwrap();
+        assert!(rlo < 6.0 / 9.0 && rhi == 1.0, "{rlo} {rhi}");
+        // top - random, per example: -1 (examples 3-8) and -0.5 (examples 0-2); all nine
+        // differences negative, so the exact sign-flip p is 2 / 2^9.
+        let d = find("top - random", "accuracy_diff");
+        assert_eq!(d.n, 9);
+        assert!((d.value + 7.5 / 9.0).abs() < 1e-12);
+        assert!((d.p_value.unwrap() - 2.0 / 512.0).abs() < 1e-12);
+        let [dlo, dhi] = d.ci95.unwrap();
+        assert!((-1.0..=-0.5).contains(&dlo) && dlo <= d.value && d.value <= dhi && dhi <= -0.5);
+    }
 }

@@ -544,6 +544,7 @@ pub fn cca_svg(points: &[CcaPoint], title: &str) -> Result<String> {
         points: points.iter().map(|p| (p.lag as f64, f(p))).collect(),
         color: color.to_rgba(),
         mark: Mark::Line { width: 2, dot: 3 },
+        bars: Vec::new(),
     };
     let series = [
         line("first pair, train".into(), |p| p.first_train, BLUE),

@@ -5,16 +5,18 @@
 
 use std::collections::BTreeSet;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::lab::eval::Example;
 use crate::lab::heads::trace::{record, ExampleSteps, TraceConfig};
+use crate::lab::stats::{sign_flip_p, wilson};
+use crate::metrics::contains_answer;
 use crate::model::{Interventions, LoadedModel};
 use crate::policy::ablation::{AblationMode, HeadSet};
 use crate::Result;
 
 /// Which heads a run silences at step `t`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Variant {
     /// Nothing (the unablated run that provides the oracle labels).
@@ -25,6 +27,16 @@ pub enum Variant {
     Static,
     /// As many heads as `Dynamic` silences at `t`, drawn at random (seeded per step).
     Random,
+}
+
+impl Variant {
+    /// Every variant, in the order [`PromptOutcome`]'s arrays hold them.
+    pub const ALL: [Variant; 4] = [
+        Variant::None,
+        Variant::Dynamic,
+        Variant::Static,
+        Variant::Random,
+    ];
 }
 
 /// One example under every variant.
@@ -94,7 +106,7 @@ pub fn ablate_example(
 
 /// After silencing the dynamic heads: heads active at a step that were not active there
 /// unablated, and how many of them are in the static set.
-#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Compensation {
     /// Steps compared (the shorter of the two runs).
     pub steps: usize,
@@ -107,6 +119,15 @@ pub struct Compensation {
 }
 
 impl Compensation {
+    /// Add another prompt's counts.
+    pub fn merge(&mut self, other: &Compensation) {
+        self.steps += other.steps;
+        self.new_active += other.new_active;
+        self.in_static += other.in_static;
+        self.distinct_heads
+            .extend(other.distinct_heads.iter().copied());
+    }
+
     /// Add one example: `oracle` per step of the unablated run, `ablated` the dynamic
     /// run's labels.
     pub fn add(
@@ -128,6 +149,177 @@ impl Compensation {
                 }
             }
         }
+    }
+}
+
+/// What one prompt gave under every variant (arrays in [`Variant::ALL`] order): the line
+/// a run appends per prompt and resumes from.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PromptOutcome {
+    pub id: String,
+    pub context_tokens: usize,
+    /// Whether the generated text holds the answer.
+    pub correct: [bool; 4],
+    /// Tokens generated.
+    pub steps: [usize; 4],
+    /// Heads silenced, summed over the steps.
+    pub silenced: [usize; 4],
+    /// Heads newly active once the dynamic ones are silenced.
+    pub compensation: Compensation,
+    /// (step, head) activations of the unablated run, and how many of them fall on the
+    /// static set: the base rate compensation is read against.
+    pub base_active: usize,
+    pub base_on_static: usize,
+}
+
+/// Run `ex` under every variant ([`ablate_example`]) and count what the report needs.
+pub fn prompt_outcome(
+    lm: &LoadedModel,
+    ex: &Example,
+    cfg: &TraceConfig,
+    static_heads: &[(usize, usize)],
+    mode: AblationMode,
+    seed: u64,
+) -> Result<PromptOutcome> {
+    let a = ablate_example(lm, ex, cfg, static_heads, mode, seed)?;
+    let n_heads = lm.model.config().n_heads;
+    let stat: BTreeSet<&(usize, usize)> = static_heads.iter().collect();
+    let mut out = PromptOutcome {
+        id: ex.id.clone(),
+        context_tokens: ex.context_tokens,
+        correct: [false; 4],
+        steps: [0; 4],
+        silenced: [0; 4],
+        compensation: Compensation::default(),
+        base_active: a.oracle.iter().map(Vec::len).sum(),
+        base_on_static: a
+            .oracle
+            .iter()
+            .flatten()
+            .filter(|h| stat.contains(h))
+            .count(),
+    };
+    for (slot, v) in Variant::ALL.iter().enumerate() {
+        let Some((_, run)) = a.runs.iter().find(|(w, _)| w == v) else {
+            continue;
+        };
+        out.correct[slot] = contains_answer(&ex.answers, &lm.decode(&run.tokens)?) == 1.0;
+        out.steps[slot] = run.tokens.len();
+        if *v != Variant::None {
+            out.silenced[slot] = a.oracle.iter().take(run.tokens.len()).map(Vec::len).sum();
+        }
+        if *v == Variant::Dynamic {
+            out.compensation.add(&a.oracle, run, static_heads, n_heads);
+        }
+    }
+    Ok(out)
+}
+
+/// A share with its Wilson 95% interval.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Share {
+    pub hits: usize,
+    pub n: usize,
+    pub value: f64,
+    pub ci95: [f64; 2],
+}
+
+impl Share {
+    fn of(hits: usize, n: usize) -> Self {
+        let (lo, hi) = wilson(hits, n);
+        Share {
+            hits,
+            n,
+            value: hits as f64 / n.max(1) as f64,
+            ci95: [lo, hi],
+        }
+    }
+}
+
+/// A variant over the prompts.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct VariantRow {
+    pub variant: Variant,
+    /// Accuracy over every prompt.
+    pub accuracy: Share,
+    /// Accuracy over the prompts the unablated model answered (1 for `None`).
+    pub kept: Share,
+    /// Heads silenced per generated token.
+    pub silenced_per_step: f64,
+}
+
+/// Two variants on the prompts the unablated model answered: exact McNemar.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PairedTest {
+    pub a: Variant,
+    pub b: Variant,
+    /// Prompts `a` answered and `b` did not, and the reverse.
+    pub only_a: usize,
+    pub only_b: usize,
+    pub p_value: f64,
+}
+
+/// The whole report's numbers.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct AblationSummary {
+    pub prompts: usize,
+    pub variants: Vec<VariantRow>,
+    pub tests: Vec<PairedTest>,
+    pub compensation: Compensation,
+    /// Share of the newly active heads that are static, and the base rate: the share of
+    /// the unablated run's activations on the static set.
+    pub compensation_in_static: Share,
+    pub base_rate_in_static: Share,
+}
+
+/// Summarise `outcomes`.
+pub fn summarize(outcomes: &[PromptOutcome]) -> AblationSummary {
+    let n = outcomes.len();
+    let kept: Vec<&PromptOutcome> = outcomes.iter().filter(|o| o.correct[0]).collect();
+    let variants = Variant::ALL
+        .iter()
+        .enumerate()
+        .map(|(i, &variant)| {
+            let steps: usize = outcomes.iter().map(|o| o.steps[i]).sum();
+            let silenced: usize = outcomes.iter().map(|o| o.silenced[i]).sum();
+            VariantRow {
+                variant,
+                accuracy: Share::of(outcomes.iter().filter(|o| o.correct[i]).count(), n),
+                kept: Share::of(kept.iter().filter(|o| o.correct[i]).count(), kept.len()),
+                silenced_per_step: silenced as f64 / steps.max(1) as f64,
+            }
+        })
+        .collect();
+    let tests = [(1, 2), (1, 3), (2, 3)]
+        .iter()
+        .map(|&(i, j)| {
+            let d: Vec<f64> = kept
+                .iter()
+                .map(|o| f64::from(u8::from(o.correct[i])) - f64::from(u8::from(o.correct[j])))
+                .collect();
+            PairedTest {
+                a: Variant::ALL[i],
+                b: Variant::ALL[j],
+                only_a: d.iter().filter(|&&x| x > 0.0).count(),
+                only_b: d.iter().filter(|&&x| x < 0.0).count(),
+                p_value: sign_flip_p(&d),
+            }
+        })
+        .collect();
+    let mut compensation = Compensation::default();
+    for o in outcomes {
+        compensation.merge(&o.compensation);
+    }
+    AblationSummary {
+        prompts: n,
+        variants,
+        tests,
+        compensation_in_static: Share::of(compensation.in_static, compensation.new_active),
+        base_rate_in_static: Share::of(
+            outcomes.iter().map(|o| o.base_on_static).sum(),
+            outcomes.iter().map(|o| o.base_active).sum(),
+        ),
+        compensation,
     }
 }
 
@@ -156,5 +348,60 @@ mod tests {
         // step 0: (1, 0) is new and static; step 1: (1, 1) is new, not static
         assert_eq!((c.steps, c.new_active, c.in_static), (2, 2, 1));
         assert_eq!(c.distinct_heads.len(), 2);
+    }
+
+    fn outcome(correct: [bool; 4], comp: (usize, usize), base: (usize, usize)) -> PromptOutcome {
+        PromptOutcome {
+            id: String::new(),
+            context_tokens: 0,
+            correct,
+            steps: [4; 4],
+            silenced: [0, 4, 4, 4],
+            compensation: Compensation {
+                steps: 4,
+                new_active: comp.0,
+                in_static: comp.1,
+                distinct_heads: BTreeSet::new(),
+            },
+            base_active: base.0,
+            base_on_static: base.1,
+        }
+    }
+
+    #[test]
+    fn summary_counts_kept_prompts_and_tests_them_pairwise() {
+        // 10 prompts answered unablated: dynamic breaks all 10, static 2, random none; one
+        // prompt the unablated model missed is left out of the kept rows and the tests.
+        let mut o: Vec<PromptOutcome> = (0..10)
+            .map(|i| outcome([true, false, i >= 2, true], (3, 1), (10, 5)))
+            .collect();
+        o.push(outcome([false, false, false, true], (0, 0), (10, 0)));
+        let s = summarize(&o);
+        assert_eq!(s.prompts, 11);
+        let kept: Vec<(usize, usize)> =
+            s.variants.iter().map(|v| (v.kept.hits, v.kept.n)).collect();
+        assert_eq!(kept, [(10, 10), (0, 10), (8, 10), (10, 10)]);
+        assert_eq!(s.variants[3].accuracy.hits, 11);
+        assert_eq!(s.variants[1].silenced_per_step, 1.0);
+        // dynamic vs static: 0 against 8 discordant, exact p = 2 / 2^8
+        let t = &s.tests[0];
+        assert_eq!(
+            (t.a, t.b, t.only_a, t.only_b),
+            (Variant::Dynamic, Variant::Static, 0, 8)
+        );
+        assert!((t.p_value - 2.0 / 256.0).abs() < 1e-12);
+        assert_eq!(s.tests[2].only_b, 2);
+        assert_eq!(
+            (s.compensation_in_static.hits, s.compensation_in_static.n),
+            (10, 30)
+        );
+        assert_eq!(
+            (s.base_rate_in_static.hits, s.base_rate_in_static.n),
+            (50, 110)
+        );
+        assert_eq!(s.base_rate_in_static.ci95, {
+            let (a, b) = wilson(50, 110);
+            [a, b]
+        });
     }
 }

@@ -476,12 +476,14 @@ pub fn long_tail_svg(d: &Dynamics, title: &str) -> Result<String> {
             points: shown.iter().map(point).collect(),
             color: BLUE.to_rgba(),
             mark: Mark::Line { width: 1, dot: 2 },
+            bars: Vec::new(),
         },
         Series {
             name: format!("static top-{}", d.k),
             points: shown.iter().filter(|h| h.is_static).map(point).collect(),
             color: RED.to_rgba(),
             mark: Mark::Ring { radius: 5 },
+            bars: Vec::new(),
         },
     ];
     line_chart(&chart, &series)

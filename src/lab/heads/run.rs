@@ -17,7 +17,7 @@
 use candle_core::Tensor;
 use serde::{Deserialize, Serialize};
 
-use crate::lab::heads::{locos, wu};
+use crate::lab::heads::{locos, stability, wu};
 use crate::lab::tasks::Trial;
 use crate::metrics::rouge1_recall;
 use crate::model::{argmax, Interventions, LoadedModel, NoObserver, Observer, Session, Wants};
@@ -258,24 +258,22 @@ impl<'a> Scorer<'a> {
     }
 }
 
-/// Final scores over `outcomes`: Wu = mean trial credit over accepted trials; LOCOS =
-/// mean step score over the scored steps of accepted trials. Returns `(wu, locos,
+/// Final scores over the accepted trials of `outcomes`: Wu = mean trial credit; LOCOS =
+/// mean step score over their scored steps ([`stability::scores`]). Returns `(wu, locos,
 /// accepted trials, LOCOS steps)`.
 pub fn aggregate(
     outcomes: &[TrialOutcome],
     n_layers: usize,
     n_heads: usize,
 ) -> (HeadMatrix, HeadMatrix, usize, usize) {
-    let mut wu = HeadMatrix::zeros(n_layers, n_heads);
-    let mut lo = HeadMatrix::zeros(n_layers, n_heads);
-    let (mut accepted, mut steps) = (0, 0);
-    for o in outcomes.iter().filter(|o| o.accepted()) {
-        accepted += 1;
-        steps += o.locos_steps;
-        wu.data.iter_mut().zip(&o.wu).for_each(|(a, b)| *a += b);
-        lo.data.iter_mut().zip(&o.locos).for_each(|(a, b)| *a += b);
-    }
-    wu.scale(1.0 / accepted.max(1) as f64);
-    lo.scale(1.0 / steps.max(1) as f64);
-    (wu, lo, accepted, steps)
+    let accepted: Vec<&TrialOutcome> = outcomes.iter().filter(|o| o.accepted()).collect();
+    let matrix = |data| HeadMatrix {
+        n_layers,
+        n_heads,
+        data,
+    };
+    let len = n_layers * n_heads;
+    let (wu, trials) = stability::scores(&accepted, stability::Method::Wu, len);
+    let (locos, steps) = stability::scores(&accepted, stability::Method::Locos, len);
+    (matrix(wu), matrix(locos), trials, steps)
 }
