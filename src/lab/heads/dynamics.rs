@@ -16,7 +16,7 @@
 //! - **Adjacent steps** are steps `s` and `s + 1` of the same prompt; steps of different
 //!   prompts are never paired.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 
 use plotters::prelude::{Color, SeriesLabelPosition, BLUE, RED};
 use serde::Serialize;
@@ -117,6 +117,85 @@ pub struct Dynamics {
     pub static_in_top_frequent: usize,
     /// Jaccard(static set, `k` most frequently active heads).
     pub jaccard_static_top_frequent: f64,
+    /// 95% intervals of the mean Jaccard with the static set, the adjacent-step Jaccard
+    /// and the entropy: prompts resampled with replacement (their steps together, since
+    /// the steps of one prompt are not independent), 1,000 seeded rounds, 2.5th and 97.5th
+    /// percentiles.
+    pub intervals: DynamicsIntervals,
+}
+
+/// See [`Dynamics::intervals`].
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct DynamicsIntervals {
+    pub jaccard_static: [f64; 2],
+    pub adjacent_jaccard: Option<[f64; 2]>,
+    pub entropy_nats: [f64; 2],
+}
+
+/// Bootstrap rounds of [`Dynamics::intervals`].
+const PROMPT_ROUNDS: usize = 1000;
+
+/// What one prompt adds to the statistics.
+#[derive(Default)]
+struct PromptPart {
+    with_static: Vec<f64>,
+    adjacent: Vec<f64>,
+    /// (head, activations)
+    counts: Vec<(usize, usize)>,
+}
+
+/// [`Dynamics::intervals`] from each prompt's part.
+fn prompt_intervals(parts: &[PromptPart], n_heads_total: usize) -> DynamicsIntervals {
+    let mut rng = crate::rng::SplitMix64::new(parts.len() as u64, 0xD1_A4);
+    let mut j = Vec::with_capacity(PROMPT_ROUNDS);
+    let mut a = Vec::with_capacity(PROMPT_ROUNDS);
+    let mut e = Vec::with_capacity(PROMPT_ROUNDS);
+    let mut counts = vec![0usize; n_heads_total];
+    for _ in 0..PROMPT_ROUNDS {
+        let (mut js, mut jn, mut as_, mut an) = (0.0, 0usize, 0.0, 0usize);
+        counts.iter_mut().for_each(|c| *c = 0);
+        for _ in 0..parts.len() {
+            let p = &parts[rng.below(parts.len())];
+            js += p.with_static.iter().sum::<f64>();
+            jn += p.with_static.len();
+            as_ += p.adjacent.iter().sum::<f64>();
+            an += p.adjacent.len();
+            p.counts.iter().for_each(|&(h, c)| counts[h] += c);
+        }
+        if jn > 0 {
+            j.push(js / jn as f64);
+        }
+        if an > 0 {
+            a.push(as_ / an as f64);
+        }
+        e.push(entropy(&counts));
+    }
+    let ci = |v: &mut Vec<f64>| -> Option<[f64; 2]> {
+        if v.is_empty() {
+            return None;
+        }
+        v.sort_by(f64::total_cmp);
+        let at = |q: f64| v[((v.len() - 1) as f64 * q).round() as usize];
+        Some([at(0.025), at(0.975)])
+    };
+    DynamicsIntervals {
+        jaccard_static: ci(&mut j).unwrap_or([f64::NAN; 2]),
+        adjacent_jaccard: ci(&mut a),
+        entropy_nats: ci(&mut e).unwrap_or([f64::NAN; 2]),
+    }
+}
+
+/// Shannon entropy (nats) of the distribution `counts / sum`; 0 for no counts.
+fn entropy(counts: &[usize]) -> f64 {
+    let total: usize = counts.iter().sum();
+    -counts
+        .iter()
+        .filter(|&&c| c > 0)
+        .map(|&c| {
+            let p = c as f64 / total as f64;
+            p * p.ln()
+        })
+        .sum::<f64>()
 }
 
 /// Check the trace's shapes and that no (prompt, step) repeats; returns the row of every
@@ -301,21 +380,26 @@ pub fn dynamics(
 
     let mut adjacent = Vec::new();
     let mut both_empty = 0;
+    // The same numbers per prompt, for the intervals.
+    let mut parts: BTreeMap<usize, PromptPart> = BTreeMap::new();
+    for (row, set) in sets.iter().enumerate() {
+        let part = parts.entry(trace.prompt[row]).or_default();
+        if !set.is_empty() {
+            part.with_static.extend(jaccard(set, &static_set));
+        }
+        part.counts.extend(set.iter().map(|&h| (h, 1)));
+    }
     for (a, b) in lag_pairs(trace, 1)? {
         match jaccard(&sets[a], &sets[b]) {
-            Some(j) => adjacent.push(j),
+            Some(j) => {
+                adjacent.push(j);
+                parts.entry(trace.prompt[a]).or_default().adjacent.push(j);
+            }
             None => both_empty += 1,
         }
     }
-
-    let entropy_nats = -counts
-        .iter()
-        .filter(|&&c| c > 0)
-        .map(|&c| {
-            let p = c as f64 / total as f64;
-            p * p.ln()
-        })
-        .sum::<f64>();
+    let parts: Vec<PromptPart> = parts.into_values().collect();
+    let entropy_nats = entropy(&counts);
 
     let mut order: Vec<usize> = (0..n_heads_total).collect();
     order.sort_by(|&a, &b| counts[b].cmp(&counts[a]).then(a.cmp(&b)));
@@ -356,6 +440,7 @@ pub fn dynamics(
         frequency_by_rank,
         static_in_top_frequent: top_frequent.intersection(&static_set).count(),
         jaccard_static_top_frequent: jaccard(&top_frequent, &static_set).unwrap_or(0.0),
+        intervals: prompt_intervals(&parts, n_heads_total),
     })
 }
 
@@ -364,15 +449,20 @@ impl Dynamics {
     /// Phi; static set = top-20 Wu heads).
     pub fn to_markdown(&self) -> String {
         let j = &self.jaccard_static;
+        let iv = &self.intervals;
+        let bracket = |c: [f64; 2]| format!("[{:.3}, {:.3}]", c[0], c[1]);
         let adjacent = match self.adjacent_jaccard_mean {
             Some(m) => format!(
-                "{m:.3} ({} pairs; {} both-empty pairs skipped)",
-                self.adjacent_pairs, self.adjacent_pairs_both_empty
+                "{m:.3} {} ({} pairs; {} both-empty pairs skipped)",
+                iv.adjacent_jaccard.map_or(String::new(), bracket),
+                self.adjacent_pairs,
+                self.adjacent_pairs_both_empty
             ),
             None => "n/a (no adjacent pair with an active head)".into(),
         };
         let mut md = format!(
-            "Active set: {}; {} steps over {} prompts; static set k = {} of {} heads.\n\n\
+            "Active set: {}; {} steps over {} prompts; static set k = {} of {} heads. In \
+             square brackets: 95% intervals from resampling prompts (1,000 rounds).\n\n\
              | statistic | this trace | paper |\n|---|---|---|\n",
             self.active_rule, self.steps, self.prompts, self.k, self.n_heads_total
         );
@@ -380,8 +470,13 @@ impl Dynamics {
             (
                 format!("Jaccard(step set, static top-{}), non-empty steps", self.k),
                 format!(
-                    "{:.3} (median {:.3}, min {:.3}, max {:.3}; {} steps)",
-                    j.mean, j.median, j.min, j.max, j.n
+                    "{:.3} {} (median {:.3}, min {:.3}, max {:.3}; {} steps)",
+                    j.mean,
+                    bracket(iv.jaccard_static),
+                    j.median,
+                    j.min,
+                    j.max,
+                    j.n
                 ),
                 "0.18-0.46 (static top-20)",
             ),
@@ -394,8 +489,9 @@ impl Dynamics {
             (
                 "activation entropy".into(),
                 format!(
-                    "{:.3} nats = {:.3} bits (max {:.3} nats; {:.1} effective heads)",
+                    "{:.3} nats {} = {:.3} bits (max {:.3} nats; {:.1} effective heads)",
                     self.entropy_nats,
+                    bracket(iv.entropy_nats),
                     self.entropy_bits,
                     self.entropy_max_nats,
                     self.effective_heads
@@ -511,6 +607,45 @@ mod tests {
             prompt: steps.iter().map(|s| s.0).collect(),
             step: steps.iter().map(|s| s.1).collect(),
         }
+    }
+
+    #[test]
+    fn intervals_resample_whole_prompts() {
+        // Prompts of two kinds: steps {0,1} (Jaccard 1 with the static set) or {2,3}
+        // (Jaccard 0), two steps each. Prompts of one kind only: the interval is that
+        // point; both kinds: it brackets the mean 1/2 and stays inside [0, 1].
+        let same: Vec<(usize, usize, &[usize])> = (0..6)
+            .flat_map(|p| [(p, 0, &[0usize, 1][..]), (p, 1, &[0, 1][..])])
+            .collect();
+        let d = dynamics(
+            &binary_trace(&same),
+            &[(0, 0), (0, 1)],
+            ActiveRule::default(),
+        )
+        .unwrap();
+        assert_eq!(d.intervals.jaccard_static, [1.0, 1.0]);
+        assert_eq!(d.intervals.adjacent_jaccard, Some([1.0, 1.0]));
+        let ln2 = 2f64.ln();
+        assert!((d.intervals.entropy_nats[0] - ln2).abs() < 1e-12);
+        let mixed: Vec<(usize, usize, &[usize])> = (0..20)
+            .flat_map(|p| {
+                let heads: &[usize] = if p % 2 == 0 { &[0, 1] } else { &[2, 3] };
+                [(p, 0, heads), (p, 1, heads)]
+            })
+            .collect();
+        let d = dynamics(
+            &binary_trace(&mixed),
+            &[(0, 0), (0, 1)],
+            ActiveRule::default(),
+        )
+        .unwrap();
+        let [lo, hi] = d.intervals.jaccard_static;
+        assert!(0.0 < lo && lo < 0.5 && 0.5 < hi && hi < 1.0, "{lo} {hi}");
+        // Whole prompts move together: per-step resampling would give a narrower
+        // interval (40 steps instead of 20 prompts); this one is at least as wide as the
+        // binomial spread of 20 prompts, +-1.96 * 0.5 / sqrt(20) = +-0.22, give or take.
+        assert!(hi - lo > 0.3, "{lo} {hi}");
+        assert!(d.intervals.entropy_nats[1] <= 4f64.ln() + 1e-12);
     }
 
     #[test]
