@@ -41,11 +41,11 @@ impl Variant {
 
 /// One example under every variant.
 #[derive(Debug, Clone)]
-pub struct ExampleAblation {
+struct ExampleAblation {
     /// `(variant, the run's steps)`, `None` first.
-    pub runs: Vec<(Variant, ExampleSteps)>,
+    runs: Vec<(Variant, ExampleSteps)>,
     /// Per step of the unablated run: the active heads.
-    pub oracle: Vec<Vec<(usize, usize)>>,
+    oracle: Vec<Vec<(usize, usize)>>,
 }
 
 /// Heads whose label at a step is at least 0.5, from a `n_layers * n_heads` row.
@@ -60,7 +60,7 @@ pub fn active(labels: &[f32], n_heads: usize) -> Vec<(usize, usize)> {
 
 /// Run `ex` unablated, then under each ablation variant in `mode` (a mode without
 /// calibration: `zero-output` or `uniform-attention`).
-pub fn ablate_example(
+fn ablate_example(
     lm: &LoadedModel,
     ex: &Example,
     cfg: &TraceConfig,
