@@ -416,14 +416,17 @@ fn paired_section(diffs: &[&ResultRecord]) -> String {
         for r in diffs.iter().filter(|r| r.task.as_deref() == Some(task)) {
             let [lo, hi] = r.ci95.unwrap_or([r.value, r.value]);
             md.push_str(&format!(
-                "| {} | {} | {} | {} | {:+.3} [{lo:+.2}, {hi:+.2}] | {:.3} |\n",
+                "| {} | {} | {} | {} | {:+.3} [{lo:+.2}, {hi:+.2}] | {} |\n",
                 r.k.unwrap_or(0),
                 r.selection.as_deref().unwrap_or(""),
                 r.context_tokens
                     .map_or("all".to_string(), |c| c.to_string()),
                 r.n,
                 r.value,
-                r.p_value.unwrap_or(1.0)
+                match r.p_value.unwrap_or(1.0) {
+                    p if p < 0.001 => "< 0.001".to_string(),
+                    p => format!("{p:.3}"),
+                }
             ));
         }
         md.push('\n');
