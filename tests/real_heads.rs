@@ -219,7 +219,7 @@ fn dynamic_ablation_refuses_too_small_grids_resumes_and_grows() {
         .collect();
     let header = serde_json::json!({
         "model_sha256": id.sha256, "static": top, "mode": "uniform-attention",
-        "max_new": 8, "numerics": "fast",
+        "max_new": 8, "numerics": "fast", "random_heads": "seeded by prompt id",
     });
     let missed = headwise::lab::heads::dynamic_ablation::PromptOutcome {
         id: "niah-L256-D50-s100".into(),

@@ -238,6 +238,7 @@ pub fn run_ablation(args: DynamicAblationArgs) -> anyhow::Result<()> {
         "mode": args.mode.name(),
         "max_new": args.max_new,
         "numerics": numerics.name(),
+        "random_heads": "seeded by prompt id",
     });
     let partial = out.join(".niah-ablation.partial.jsonl");
     let mut outcomes: Vec<PromptOutcome> = read_partial(&partial, &header)?;
@@ -256,11 +257,11 @@ pub fn run_ablation(args: DynamicAblationArgs) -> anyhow::Result<()> {
         "{bar:40} {pos}/{len} prompts, {elapsed} elapsed, ETA {eta} {msg}",
     );
     bar.set_position(done.len() as u64);
-    for (i, ex) in examples.iter().enumerate() {
+    for ex in &examples {
         if done.contains(&ex.id) {
             continue;
         }
-        let o = prompt_outcome(&lm, ex, &cfg, &static_heads, args.mode, i as u64)?;
+        let o = prompt_outcome(&lm, ex, &cfg, &static_heads, args.mode)?;
         writeln!(log, "{}", serde_json::to_string(&o)?)?;
         log.flush()?;
         outcomes.push(o);

@@ -172,16 +172,24 @@ pub struct PromptOutcome {
     pub base_on_static: usize,
 }
 
-/// Run `ex` under every variant ([`ablate_example`]) and count what the report needs.
+/// The random heads' seed of a prompt: FNV-1a of its id, so that a prompt draws the same
+/// heads whatever grid it is part of (a grown run reuses earlier prompts).
+pub fn prompt_seed(id: &str) -> u64 {
+    id.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+/// Run `ex` under every variant ([`ablate_example`], random heads seeded by
+/// [`prompt_seed`]) and count what the report needs.
 pub fn prompt_outcome(
     lm: &LoadedModel,
     ex: &Example,
     cfg: &TraceConfig,
     static_heads: &[(usize, usize)],
     mode: AblationMode,
-    seed: u64,
 ) -> Result<PromptOutcome> {
-    let a = ablate_example(lm, ex, cfg, static_heads, mode, seed)?;
+    let a = ablate_example(lm, ex, cfg, static_heads, mode, prompt_seed(&ex.id))?;
     let n_heads = lm.model.config().n_heads;
     let stat: BTreeSet<&(usize, usize)> = static_heads.iter().collect();
     let mut out = PromptOutcome {
@@ -366,6 +374,13 @@ mod tests {
             base_active: base.0,
             base_on_static: base.1,
         }
+    }
+
+    #[test]
+    fn prompt_seeds_are_fnv1a_of_the_id() {
+        // Published FNV-1a 64 test vectors: "" and "a".
+        assert_eq!(prompt_seed(""), 0xcbf2_9ce4_8422_2325);
+        assert_eq!(prompt_seed("a"), 0xaf63_dc4c_8601_ec8c);
     }
 
     #[test]
