@@ -453,15 +453,19 @@ fn a_second_scoring_run_into_the_same_output_is_refused_naming_the_first() {
         &format!("PID {}", first.id()),
     );
     assert!(!err.contains("wrote"), "{err}");
-    // The first run was killed: its lock is stale and a new run takes it over.
+    // The first run was killed: its lock is stale and a new run takes it over. Whether
+    // its one trial is accepted depends on what the model answers, which differs between
+    // CPUs (on an AVX2-only AMD EPYC SmolLM2 ends its turn at once on these trials): the
+    // run must get past the lock and release it, and may only fail for acceptance.
     let third = score(&["--trials", "1", "--depths", "0.5"])
         .output()
         .unwrap();
+    let err = String::from_utf8_lossy(&third.stderr);
     assert!(
-        third.status.success(),
-        "{}",
-        String::from_utf8_lossy(&third.stderr)
+        third.status.success() || err.contains("0 of 1 trials accepted"),
+        "{err}"
     );
+    assert!(!err.contains("PID"), "{err}");
     assert!(!lock.exists());
     std::fs::remove_dir_all(&out).unwrap();
 }

@@ -516,3 +516,121 @@ fn a_spec_with_a_nan_threshold_is_refused_before_any_work() {
     assert_eq!(err.lines().count(), 1, "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Two-fold cross-fitting end to end on the real model: traces of two row ranges of
+/// HotpotQA, a probe trained on each, and a RAG run that answers each fold with the
+/// probe of the other; the same run with the probes swapped (each fold answered by the
+/// probe trained on it) is refused before any answer.
+#[test]
+fn cross_fitted_folds_use_the_other_folds_probe_and_refuse_their_own() {
+    let dir = scratch("crossfit");
+    let model = common::real_model();
+    let model = model.to_str().unwrap();
+    let Some(data) = common::data_dir() else {
+        return;
+    };
+    let data = data.to_str().unwrap();
+    let probe = |rows: &str| dir.join(format!("probe-{}.json", rows.replace("..", "-")));
+    for rows in ["0..5", "5..10"] {
+        let stem = dir.join(format!("trace-{}", rows.replace("..", "-")));
+        let args = [
+            "heads",
+            "trace",
+            "--task",
+            "hotpotqa",
+            "--rows",
+            rows,
+            "--max-new",
+            "3",
+            "--model",
+            model,
+            "--data-dir",
+            data,
+            "--out",
+            stem.to_str().unwrap(),
+        ];
+        let (code, err) = headwise(&args);
+        assert_eq!(code, 0, "{err}");
+        let name = probe(rows);
+        let name = name.file_stem().unwrap().to_str().unwrap();
+        let trace = stem.with_extension("json");
+        let args = [
+            "policy",
+            "train-probe",
+            trace.to_str().unwrap(),
+            "--epochs",
+            "2",
+            "--out",
+            dir.to_str().unwrap(),
+            "--name",
+            name,
+        ];
+        let (code, err) = headwise(&args);
+        assert_eq!(code, 0, "{err}");
+        let card: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(probe(rows)).unwrap()).unwrap();
+        assert_eq!(
+            card["data"]["examples"].as_array().unwrap().len(),
+            5,
+            "{card}"
+        );
+        assert_eq!(
+            card["data"]["task"]["rows"],
+            serde_json::json!(rows
+                .split("..")
+                .map(|r| r.parse::<usize>().unwrap())
+                .collect::<Vec<_>>())
+        );
+    }
+    let spec = |first: &str, second: &str| {
+        format!(
+            "name = \"crossfit\"\nmodel = \"smollm2-135m\"\nmax_new = 4\n\
+             ranking = \"policies/rankings/{{model}}/locos-niah.json\"\n\
+             [[task]]\nname = \"hotpotqa\"\nfile = \"hotpotqa/hotpot_dev_distractor_200.jsonl\"\n\
+             format = \"hotpotqa\"\n\
+             fold = [{{ rows = [0, 5], probe = \"{}\" }}, {{ rows = [5, 10], probe = \"{}\" }}]\n\
+             [[variant]]\nname = \"heads\"\n\
+             rag = {{ trigger = {{ type = \"retrieval_heads\", threshold = 0.1 }} }}\n",
+            probe(first).display(),
+            probe(second).display()
+        )
+    };
+    let run = |text: String, tag: &str| {
+        let path = dir.join(format!("{tag}.toml"));
+        std::fs::write(&path, text).unwrap();
+        let out = dir.join(tag);
+        let args = [
+            "eval",
+            "rag",
+            path.to_str().unwrap(),
+            "--model",
+            model,
+            "--data-dir",
+            data,
+            "--out",
+            out.to_str().unwrap(),
+        ];
+        (
+            headwise(&args),
+            out.join("SmolLM2-135M-Instruct.Q4_1").join("crossfit"),
+        )
+    };
+    let ((code, err), out) = run(spec("5..10", "0..5"), "crossed");
+    assert_eq!(code, 0, "{err}");
+    let records = std::fs::read_to_string(out.join("records.jsonl")).unwrap();
+    assert_eq!(records.lines().count(), 10, "{records}");
+    let readme = std::fs::read_to_string(out.join("README.md")).unwrap();
+    assert!(readme.contains("Cross-fitted `hotpotqa`"), "{readme}");
+    let ((code, err), out) = run(spec("0..5", "5..10"), "own");
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.starts_with("error: ") && err.contains("was trained on 5 of the fold's questions"),
+        "{err}"
+    );
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        !out.join("records.jsonl").exists(),
+        "no answer is written before the check"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -65,6 +65,8 @@ fn train_probe(args: TrainProbeArgs) -> anyhow::Result<()> {
         "prompts": card.prompts,
         "steps": card.steps,
         "trace_command": card.made.command,
+        // Which questions the probe saw, so that an evaluation can refuse to score it on them.
+        "examples": card.examples,
     });
     // The probe learned from hidden states computed with the trace's numerics.
     let made = Made::now(&card.made.numerics);

@@ -1,5 +1,6 @@
 //! `headwise heads trace`: per-step retrieval-head labels with hidden states.
 
+use std::collections::HashSet;
 use std::path::PathBuf;
 
 use clap::{Args, ValueEnum};
@@ -12,6 +13,8 @@ use headwise::lab::tasks::{self, Encoder, Haystack, TaskKind, TaskSpec};
 use headwise::model::{Interventions, LoadedModel, ModelId, Numerics};
 use headwise::probe::LabelKind;
 use headwise::provenance::Made;
+use headwise::rag::corpus::CorpusFormat;
+use headwise::rag::qa;
 
 use super::ModelArgs;
 
@@ -38,8 +41,12 @@ pub struct TraceArgs {
     #[arg(long, default_value_t = 2)]
     trials: u64,
     /// HotpotQA: the first N rows.
-    #[arg(long, default_value_t = 40)]
+    #[arg(long, default_value_t = 40, conflicts_with = "rows")]
     limit: usize,
+    /// HotpotQA: rows START..END of the file (0-based, END excluded), e.g. the half of a
+    /// two-fold cross-fitting (`eval/rag-crossfit-*.toml`).
+    #[arg(long, value_parser = parse_rows)]
+    rows: Option<[usize; 2]>,
     /// Tokens generated per prompt.
     #[arg(long, default_value_t = 16)]
     max_new: usize,
@@ -87,11 +94,26 @@ pub fn run(args: TraceArgs) -> anyhow::Result<()> {
             let file = args
                 .data_dir
                 .join("hotpotqa/hotpot_dev_distractor_200.jsonl");
-            let loaded = hotpotqa::load(&file, &enc, Some(args.limit))?;
+            let (mut loaded, task) = match args.rows {
+                None => (
+                    hotpotqa::load(&file, &enc, Some(args.limit))?,
+                    serde_json::json!({"task": "hotpotqa", "file": file, "limit": args.limit}),
+                ),
+                Some([start, end]) => (
+                    hotpotqa::load(&file, &enc, None)?,
+                    serde_json::json!({"task": "hotpotqa", "file": file, "rows": [start, end]}),
+                ),
+            };
+            if let Some(rows) = args.rows {
+                let ids = row_ids(&file, rows)?;
+                loaded.examples.retain(|e| ids.contains(&e.id));
+                loaded
+                    .skipped
+                    .retain(|s| s.line > rows[0] && s.line <= rows[1]);
+            }
             for s in &loaded.skipped {
                 eprintln!("note: skipped {s}");
             }
-            let task = serde_json::json!({"task": "hotpotqa", "file": file, "limit": args.limit});
             (loaded.examples, task, LabelKind::Continuous)
         }
     };
@@ -169,4 +191,37 @@ pub fn run(args: TraceArgs) -> anyhow::Result<()> {
         stem.display()
     );
     Ok(())
+}
+
+/// `START..END` (END excluded, START < END).
+fn parse_rows(s: &str) -> Result<[usize; 2], String> {
+    let (a, b) = s
+        .split_once("..")
+        .ok_or_else(|| format!("`{s}` is not a row range START..END"))?;
+    let num = |x: &str| {
+        x.trim()
+            .parse::<usize>()
+            .map_err(|_| format!("`{x}` in `{s}` is not a row number"))
+    };
+    let (start, end) = (num(a)?, num(b)?);
+    if start >= end {
+        return Err(format!("the row range `{s}` is empty"));
+    }
+    Ok([start, end])
+}
+
+/// The question ids of rows `rows[0]..rows[1]` of a HotpotQA file (the rows the RAG
+/// evaluation's folds name: every non-blank line is a row).
+fn row_ids(file: &std::path::Path, rows: [usize; 2]) -> anyhow::Result<HashSet<String>> {
+    let items = qa::load(file, CorpusFormat::Hotpotqa, Some(rows[1]))?;
+    if items.len() < rows[1] {
+        anyhow::bail!(
+            "rows {}..{}: {} has {} questions",
+            rows[0],
+            rows[1],
+            file.display(),
+            items.len()
+        );
+    }
+    Ok(items[rows[0]..].iter().map(|q| q.id.clone()).collect())
 }

@@ -22,6 +22,24 @@
 //! name = "rind"
 //! rag = { trigger = { type = "rind", threshold = 1.0 } }
 //! ```
+//!
+//! A task may be split into folds for cross-fitting: each fold's questions are answered
+//! with a probe trained on other questions (its card lists them; a probe that saw any of
+//! the fold's questions is refused), and the report pools the folds:
+//!
+//! ```toml
+//! [[task]]
+//! name = "hotpotqa"
+//! file = "hotpotqa/hotpot_dev_distractor_200.jsonl"
+//! format = "hotpotqa"
+//! fold = [
+//!     { rows = [0, 100], probe = "probes/{model}/hotpotqa-rows-100-200.json" },
+//!     { rows = [100, 200], probe = "probes/{model}/hotpotqa-rows-0-100.json" },
+//! ]
+//! ```
+//!
+//! `[[rate_match]]` compares triggers at matched retrieval rates: each variant of
+//! `first` against the variant of `second` that retrieved most nearly as often.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -31,7 +49,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::lab::eval::run::{append_jsonl, open_append, read_jsonl};
 use crate::lab::plot::{interval_panels, Panel};
-use crate::lab::stats::mean_se;
+use crate::lab::stats::{bootstrap95, format_p, mean_se, sign_flip_p};
 use crate::metrics::Metric;
 use crate::model::{LoadedModel, ModelId};
 use crate::policy::ranking::Ranking;
@@ -82,6 +100,19 @@ pub struct RagSpec {
     /// question, besides every variant against the first one.
     #[serde(default)]
     pub compare: Vec<[String; 2]>,
+    /// Variants compared at matched retrieval rates.
+    #[serde(default, rename = "rate_match")]
+    pub rate_matches: Vec<RateMatch>,
+}
+
+/// Each variant of `first` against the variant of `second` whose retrievals per
+/// question (on the same task) are closest to its own: triggers compared at the same
+/// retrieval budget, matched on the rate and never on F1.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RateMatch {
+    pub first: Vec<String>,
+    pub second: Vec<String>,
 }
 
 fn default_max_new() -> usize {
@@ -107,6 +138,21 @@ pub struct RagTask {
     pub format: CorpusFormat,
     #[serde(default)]
     pub limit: Option<usize>,
+    /// Cross-fitting: the folds' questions are answered (in fold order), each fold with
+    /// its own probe. Empty: every question, with the spec's probe.
+    #[serde(default, rename = "fold")]
+    pub folds: Vec<Fold>,
+}
+
+/// A range of a task's questions and the probe that answers them.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Fold {
+    /// Questions `rows[0]..rows[1]` of the file (0-based, end excluded).
+    pub rows: [usize; 2],
+    /// The probe card (`{model}` is the model's name); its card's `data.examples` must
+    /// hold none of the fold's question ids.
+    pub probe: String,
 }
 
 /// A named RAG configuration.
@@ -173,15 +219,39 @@ impl RagSpec {
                 ));
             }
         }
+        for task in &spec.tasks {
+            let mut rows: Vec<[usize; 2]> = task.folds.iter().map(|f| f.rows).collect();
+            rows.sort_unstable();
+            if let Some([a, b]) = rows.iter().find(|[a, b]| a >= b) {
+                return Err(Error::invalid(
+                    "fold",
+                    format!("task `{}`: rows {a}..{b} are empty", task.name),
+                ));
+            }
+            if let Some(w) = rows.windows(2).find(|w| w[1][0] < w[0][1]) {
+                return Err(Error::invalid(
+                    "fold",
+                    format!(
+                        "task `{}`: rows {}..{} and {}..{} overlap",
+                        task.name, w[0][0], w[0][1], w[1][0], w[1][1]
+                    ),
+                ));
+            }
+        }
         if let Some(unknown) = spec
             .compare
             .iter()
             .flatten()
+            .chain(
+                spec.rate_matches
+                    .iter()
+                    .flat_map(|m| m.first.iter().chain(&m.second)),
+            )
             .find(|c| !spec.variants.iter().any(|v| &&v.name == c))
         {
             return Err(Error::invalid(
                 "compare",
-                format!("no variant named `{unknown}`"),
+                format!("no variant named `{unknown}` (in `compare` or `rate_match`)"),
             ));
         }
         if spec.variants.is_empty() || spec.tasks.is_empty() {
@@ -242,7 +312,15 @@ pub fn run(
                 )
             })
     };
-    let probe = match spec.variants.iter().any(uses_probe) {
+    // The spec's probe answers the tasks without folds; each fold loads its own.
+    let spec_probe_used = spec.tasks.iter().any(|t| {
+        t.folds.is_empty()
+            && spec
+                .variants
+                .iter()
+                .any(|v| v.runs_on(&t.name) && uses_probe(v))
+    });
+    let probe = match spec_probe_used {
         true => Some(Probe::load(&sub(&spec.probe, "probe")?)?),
         false => None,
     };
@@ -259,10 +337,6 @@ pub fn run(
                 .collect()
         }
         false => Vec::new(),
-    };
-    let signal = HeadSignal {
-        probe: probe.as_ref(),
-        heads: &watched,
     };
     #[cfg(feature = "mistralrs")]
     let mistralrs = match spec
@@ -289,6 +363,24 @@ pub fn run(
             )),
         }
     };
+    // Every task's questions and every fold's probe, checked before any answer.
+    let questions: Vec<Vec<QaItem>> = spec
+        .tasks
+        .iter()
+        .map(|t| qa::load(&data_dir.join(&t.file), t.format, None))
+        .collect::<Result<_>>()?;
+    let folds: Vec<Vec<(Vec<&QaItem>, Option<Probe>)>> = spec
+        .tasks
+        .iter()
+        .zip(&questions)
+        .map(|(t, all)| {
+            let needs_probe = spec
+                .variants
+                .iter()
+                .any(|v| v.runs_on(&t.name) && uses_probe(v));
+            fold_questions(t, all, &id.name, needs_probe)
+        })
+        .collect::<Result<_>>()?;
     std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
     let path = out.join("records.jsonl");
     let done: BTreeSet<(String, String, String)> = read_jsonl::<RagRecord>(&path)?
@@ -297,29 +389,36 @@ pub fn run(
         .collect();
     let mut file = open_append(&path)?;
     let mut generated = 0;
-    for task in &spec.tasks {
-        let all = qa::load(&data_dir.join(&task.file), task.format, None)?;
+    for ((task, all), folds) in spec.tasks.iter().zip(&questions).zip(&folds) {
         let passages = pool(all.iter().flat_map(|q| {
             q.paragraphs
                 .iter()
                 .map(|p| (p.title.as_str(), p.text.as_str()))
         }));
         let index = Bm25Index::in_memory(&passages)?;
-        let n = [task.limit, limit]
-            .into_iter()
-            .flatten()
-            .min()
-            .unwrap_or(all.len());
-        let items: Vec<&QaItem> = all.iter().take(n).collect();
         let variants: Vec<&Variant> = spec
             .variants
             .iter()
             .filter(|v| v.runs_on(&task.name))
             .collect();
+        let mut items: Vec<(&QaItem, Option<&Probe>)> = folds
+            .iter()
+            .flat_map(|(questions, own)| {
+                let p = own.as_ref().or(probe.as_ref());
+                questions.iter().map(move |q| (*q, p))
+            })
+            .collect();
+        if let Some(n) = [task.limit, limit].into_iter().flatten().min() {
+            items.truncate(n);
+        }
         if let Some(b) = bar {
             b.inc_length((items.len() * variants.len()) as u64);
         }
-        for item in items {
+        for (item, item_probe) in items {
+            let signal = HeadSignal {
+                probe: item_probe,
+                heads: &watched,
+            };
             for v in variants.iter().copied() {
                 if let Some(b) = bar {
                     b.inc(1);
@@ -353,6 +452,85 @@ pub fn run(
         }
     }
     Ok(generated)
+}
+
+/// A task's questions in answering order, fold by fold, each fold with its probe (loaded
+/// when a variant needs one, and refused if it was trained on any of the fold's
+/// questions); without folds, every question in one group with no probe of its own.
+fn fold_questions<'a>(
+    task: &RagTask,
+    all: &'a [QaItem],
+    model: &str,
+    needs_probe: bool,
+) -> Result<Vec<(Vec<&'a QaItem>, Option<Probe>)>> {
+    if task.folds.is_empty() {
+        return Ok(vec![(all.iter().collect(), None)]);
+    }
+    task.folds
+        .iter()
+        .map(|fold| {
+            let [start, end] = fold.rows;
+            let questions = all.get(start..end).ok_or_else(|| {
+                Error::invalid(
+                    "fold",
+                    format!(
+                        "task `{}`: rows {start}..{end}, but the file has {} questions",
+                        task.name,
+                        all.len()
+                    ),
+                )
+            })?;
+            let probe = match needs_probe {
+                true => {
+                    let path = PathBuf::from(fold.probe.replace("{model}", model));
+                    let probe = Probe::load(&path)?;
+                    check_unseen(&probe.card().data, &path, questions)?;
+                    Some(probe)
+                }
+                false => None,
+            };
+            Ok((questions.iter().collect(), probe))
+        })
+        .collect()
+}
+
+/// Refuse a probe whose card's `data` (at `path`) lists any of `questions` among the
+/// examples it was trained on (`data.examples`), or does not list them at all.
+fn check_unseen(data: &serde_json::Value, path: &Path, questions: &[QaItem]) -> Result<()> {
+    let seen: BTreeSet<&str> = data
+        .get("examples")
+        .and_then(|e| e.as_array())
+        .ok_or_else(|| {
+            Error::invalid(
+                "probe",
+                format!(
+                    "{}: the card does not list the questions it was trained on \
+                     (`data.examples`), so a fold cannot be checked against them; \
+                     retrain it with `headwise policy train-probe`",
+                    path.display()
+                ),
+            )
+        })?
+        .iter()
+        .filter_map(|v| v.as_str())
+        .collect();
+    let overlap: Vec<&str> = questions
+        .iter()
+        .map(|q| q.id.as_str())
+        .filter(|id| seen.contains(id))
+        .collect();
+    match overlap.first() {
+        Some(first) => Err(Error::invalid(
+            "fold",
+            format!(
+                "{} was trained on {} of the fold's questions (e.g. {first}): a fold needs \
+                 a probe trained on other questions",
+                path.display(),
+                overlap.len()
+            ),
+        )),
+        None => Ok(()),
+    }
 }
 
 /// For every two variants with the same RAG settings on different engines: on how many
@@ -394,14 +572,49 @@ fn engine_agreement(spec: &RagSpec, records: &[RagRecord]) -> String {
     md
 }
 
-/// Per task, F1 of `a` minus F1 of `b` on the questions both answered: mean ± standard
-/// error of the paired differences, and on how many questions `a` scored higher, lower or
-/// the same. Every variant against the first, then the spec's `compare` pairs.
-fn paired_differences(spec: &RagSpec, records: &[RagRecord]) -> String {
-    let f1: BTreeMap<(&str, &str, &str), f64> = records
+/// F1 of every (task, variant, question).
+type F1Table<'a> = BTreeMap<(&'a str, &'a str, &'a str), f64>;
+
+fn f1_table(records: &[RagRecord]) -> F1Table<'_> {
+    records
         .iter()
         .map(|r| ((r.task.as_str(), r.variant.as_str(), r.id.as_str()), r.f1))
+        .collect()
+}
+
+/// The cells `n | ΔF1 ± se | [lo, hi] | p | higher / lower / same` of F1 of `a` minus F1
+/// of `b` on the questions of `task` both answered; `None` when there are none.
+fn paired_cells(f1: &F1Table, task: &str, a: &str, b: &str) -> Option<String> {
+    let diffs: Vec<f64> = f1
+        .iter()
+        .filter(|((t, v, _), _)| *t == task && *v == a)
+        .filter_map(|((t, _, id), fa)| f1.get(&(*t, b, *id)).map(|fb| fa - fb))
         .collect();
+    if diffs.is_empty() {
+        return None;
+    }
+    let (mean, se) = mean_se(&diffs);
+    let (lo, hi) = bootstrap95(&diffs);
+    let count = |f: fn(&f64) -> bool| diffs.iter().filter(|d| f(d)).count();
+    Some(format!(
+        "{} | {mean:+.3} ± {se:.3} | [{lo:+.3}, {hi:+.3}] | {} | {} / {} / {}",
+        diffs.len(),
+        format_p(sign_flip_p(&diffs)),
+        count(|d| *d > 0.0),
+        count(|d| *d < 0.0),
+        count(|d| *d == 0.0)
+    ))
+}
+
+const PAIRED_NOTE: &str = "mean ± standard error of the per-question difference, its 95% \
+     bootstrap interval, the two-sided p-value of the paired sign-flip test (not corrected \
+     for the number of comparisons), and on how many questions the first variant scored \
+     higher / lower / the same";
+
+/// Per task, F1 of `a` minus F1 of `b` on the questions both answered
+/// ([`paired_cells`]): every variant against the first, then the spec's `compare` pairs.
+fn paired_differences(spec: &RagSpec, records: &[RagRecord]) -> String {
+    let f1 = f1_table(records);
     let first = &spec.variants[0].name;
     let pairs = spec.variants[1..]
         .iter()
@@ -410,34 +623,88 @@ fn paired_differences(spec: &RagSpec, records: &[RagRecord]) -> String {
     let mut md = String::new();
     for [a, b] in pairs {
         for task in &spec.tasks {
-            let diffs: Vec<f64> = f1
-                .iter()
-                .filter(|((t, v, _), _)| *t == task.name && *v == a)
-                .filter_map(|((t, _, id), fa)| f1.get(&(*t, b.as_str(), *id)).map(|fb| fa - fb))
-                .collect();
-            if diffs.is_empty() {
+            let Some(cells) = paired_cells(&f1, &task.name, &a, &b) else {
                 continue;
-            }
+            };
             if md.is_empty() {
-                md.push_str(
-                    "\nF1 differences on the same questions (mean ± standard error of the \
-                     per-question difference; questions where the first variant scored \
-                     higher / lower / the same):\n\n\
-                     | task | variants | n | ΔF1 | higher / lower / same |\n\
-                     |---|---|---:|---:|---:|\n",
-                );
+                md.push_str(&format!(
+                    "\nF1 differences on the same questions ({PAIRED_NOTE}):\n\n\
+                     | task | variants | n | ΔF1 | 95% CI | p | higher / lower / same |\n\
+                     |---|---|---:|---:|---|---:|---:|\n"
+                ));
             }
-            let (mean, se) = mean_se(&diffs);
-            let count = |f: fn(&f64) -> bool| diffs.iter().filter(|d| f(d)).count();
-            md.push_str(&format!(
-                "| {} | `{a}` − `{b}` | {} | {mean:+.3} ± {se:.3} | {} / {} / {} |\n",
-                task.name,
-                diffs.len(),
-                count(|d| *d > 0.0),
-                count(|d| *d < 0.0),
-                count(|d| *d == 0.0)
-            ));
+            md.push_str(&format!("| {} | `{a}` − `{b}` | {cells} |\n", task.name));
         }
+    }
+    md
+}
+
+/// Per task and `[[rate_match]]`: each `first` variant against the `second` variant
+/// whose retrievals per question are closest to its own, as in [`paired_differences`].
+fn rate_matched(spec: &RagSpec, records: &[RagRecord]) -> String {
+    let f1 = f1_table(records);
+    let rate = |task: &str, variant: &str| {
+        let r: Vec<f64> = records
+            .iter()
+            .filter(|r| r.task == task && r.variant == variant)
+            .map(|r| r.retrievals as f64)
+            .collect();
+        (!r.is_empty()).then(|| mean_se(&r).0)
+    };
+    let mut md = String::new();
+    for m in &spec.rate_matches {
+        for task in &spec.tasks {
+            let t = task.name.as_str();
+            for a in &m.first {
+                let Some(ra) = rate(t, a) else { continue };
+                let Some((b, rb)) = m
+                    .second
+                    .iter()
+                    .filter_map(|b| rate(t, b).map(|rb| (b, rb)))
+                    .min_by(|x, y| (x.1 - ra).abs().total_cmp(&(y.1 - ra).abs()))
+                else {
+                    continue;
+                };
+                let Some(cells) = paired_cells(&f1, t, a, b) else {
+                    continue;
+                };
+                if md.is_empty() {
+                    md.push_str(&format!(
+                        "\nTriggers at matched retrieval rates: each variant against the one \
+                         of the other group that retrieved most nearly as often on the task \
+                         (matched on the rate, never on F1); F1 differences as above \
+                         ({PAIRED_NOTE}):\n\n\
+                         | task | variant (retrievals / question) | matched with | n | ΔF1 | 95% CI | p | higher / lower / same |\n\
+                         |---|---|---|---:|---:|---|---:|---:|\n"
+                    ));
+                }
+                md.push_str(&format!(
+                    "| {t} | `{a}` ({ra:.2}) | `{b}` ({rb:.2}) | {cells} |\n"
+                ));
+            }
+        }
+    }
+    md
+}
+
+/// The folds of cross-fitted tasks, for the report.
+fn folds_note(spec: &RagSpec) -> String {
+    let mut md = String::new();
+    for task in spec.tasks.iter().filter(|t| !t.folds.is_empty()) {
+        md.push_str(&format!(
+            "\nCross-fitted `{}`: every variant that uses a probe answers ",
+            task.name
+        ));
+        let parts: Vec<String> = task
+            .folds
+            .iter()
+            .map(|f| format!("rows {}..{} with `{}`", f.rows[0], f.rows[1], f.probe))
+            .collect();
+        md.push_str(&parts.join(", "));
+        md.push_str(
+            " (each probe's card lists its training questions; none is among the rows it \
+             answers); the rows are pooled in every table.\n",
+        );
     }
     md
 }
@@ -540,7 +807,9 @@ pub fn write_report(
         write_atomic(&dir.join("f1.svg"), svg.as_bytes())?;
         md.push_str("\n![F1 by variant](f1.svg)\n");
     }
+    md.push_str(&folds_note(spec));
     md.push_str(&paired_differences(spec, &records));
+    md.push_str(&rate_matched(spec, &records));
     md.push_str(&engine_agreement(spec, &records));
     md.push_str("\nVariants:\n\n");
     for v in &spec.variants {
@@ -620,17 +889,26 @@ rag = { trigger = { type = "every_n", n = 2 } }
             record("c", "q1", 1.0),
         ];
         let md = paired_differences(&spec, &records);
-        // b - a = 0.5, -0.25, 0: mean 0.083, sd 0.382, se 0.220
+        // b - a = 0.5, -0.25, 0: mean 0.083, sd 0.382, se 0.220; a resample of three
+        // equal values has probability 1/27 > 2.5%, so the interval is the extremes;
+        // every sign pattern of the two nonzero differences sums to at least 0.25 in
+        // size, so p = 1
         assert!(
-            md.contains("| t | `b` − `a` | 3 | +0.083 ± 0.220 | 1 / 1 / 1 |"),
+            md.contains(
+                "| t | `b` − `a` | 3 | +0.083 ± 0.220 | [-0.250, +0.500] | 1.000 | 1 / 1 / 1 |"
+            ),
             "{md}"
         );
         assert!(
-            md.contains("| t | `c` − `a` | 1 | +1.000 ± 0.000 | 1 / 0 / 0 |"),
+            md.contains(
+                "| t | `c` − `a` | 1 | +1.000 ± 0.000 | [+1.000, +1.000] | 1.000 | 1 / 0 / 0 |"
+            ),
             "{md}"
         );
         assert!(
-            md.contains("| t | `c` − `b` | 1 | +0.500 ± 0.000 | 1 / 0 / 0 |"),
+            md.contains(
+                "| t | `c` − `b` | 1 | +0.500 ± 0.000 | [+0.500, +0.500] | 1.000 | 1 / 0 / 0 |"
+            ),
             "{md}"
         );
         records.retain(|r| r.variant == "a");
@@ -648,5 +926,92 @@ rag = { trigger = { type = "every_n", n = 2 } }
         std::fs::write(&path, SPEC).unwrap();
         assert!(RagSpec::load(&path).is_ok());
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn rate_matching_pairs_each_variant_with_the_nearest_retrieval_rate() {
+        let mut spec: RagSpec = toml::from_str(SPEC).unwrap();
+        spec.rate_matches = vec![RateMatch {
+            first: vec!["c".into()],
+            second: vec!["a".into(), "b".into()],
+        }];
+        let with = |variant: &str, id: &str, f1: f64, retrievals: usize| RagRecord {
+            retrievals,
+            ..record(variant, id, f1)
+        };
+        let records = vec![
+            with("a", "q1", 0.0, 0),
+            with("a", "q2", 0.0, 0),
+            with("b", "q1", 0.25, 3),
+            with("b", "q2", 0.5, 1),
+            with("c", "q1", 1.0, 2),
+            with("c", "q2", 0.5, 2),
+        ];
+        // c retrieves 2 per question, b 2, a 0: c is matched with b; c - b = 0.75, 0
+        let md = rate_matched(&spec, &records);
+        assert!(
+            md.contains(
+                "| t | `c` (2.00) | `b` (2.00) | 2 | +0.375 ± 0.375 | [+0.000, +0.750] | 1.000 | 1 / 0 / 1 |"
+            ),
+            "{md}"
+        );
+        assert!(!md.contains("`a` (0.00)"), "{md}");
+    }
+
+    #[test]
+    fn overlapping_or_empty_folds_are_refused() {
+        let dir = std::env::temp_dir().join(format!("headwise-rag-folds-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("spec.toml");
+        let with_folds = |folds: &str| {
+            SPEC.replace(
+                "format = \"hotpotqa\"\n",
+                &format!("format = \"hotpotqa\"\nfold = {folds}\n"),
+            )
+        };
+        for (folds, error) in [
+            (
+                r#"[{ rows = [0, 10], probe = "a.json" }, { rows = [5, 20], probe = "b.json" }]"#,
+                "rows 0..10 and 5..20 overlap",
+            ),
+            (
+                r#"[{ rows = [3, 3], probe = "a.json" }]"#,
+                "rows 3..3 are empty",
+            ),
+        ] {
+            std::fs::write(&path, with_folds(folds)).unwrap();
+            let err = RagSpec::load(&path).unwrap_err().to_string();
+            assert!(err.contains(error), "{err}");
+        }
+        let good =
+            r#"[{ rows = [10, 20], probe = "a.json" }, { rows = [0, 10], probe = "b.json" }]"#;
+        std::fs::write(&path, with_folds(good)).unwrap();
+        assert_eq!(RagSpec::load(&path).unwrap().tasks[0].folds.len(), 2);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_probe_trained_on_a_folds_questions_is_refused() {
+        let question = |id: &str| QaItem {
+            id: id.into(),
+            question: String::new(),
+            answers: Vec::new(),
+            paragraphs: Vec::new(),
+        };
+        let fold = [question("q3"), question("q4")];
+        let path = Path::new("p.json");
+        let trained_on = |ids: &[&str]| serde_json::json!({ "examples": ids });
+        assert!(check_unseen(&trained_on(&["q1", "q2"]), path, &fold).is_ok());
+        let err = check_unseen(&trained_on(&["q1", "q4"]), path, &fold)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("trained on 1 of the fold's questions (e.g. q4)"),
+            "{err}"
+        );
+        let err = check_unseen(&serde_json::json!({ "prompts": 60 }), path, &fold)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("does not list the questions"), "{err}");
     }
 }

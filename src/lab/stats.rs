@@ -125,6 +125,14 @@ pub(crate) fn sign_flip_p(d: &[f64]) -> f64 {
     (hits + 1) as f64 / (FLIP_ROUNDS + 1) as f64
 }
 
+/// A p-value as reports print it: three decimals, or `< 0.001`.
+pub(crate) fn format_p(p: f64) -> String {
+    match p {
+        p if p < 0.001 => "< 0.001".to_string(),
+        p => format!("{p:.3}"),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -13,7 +13,7 @@ use plotters::prelude::{Color, Palette, Palette99, SeriesLabelPosition};
 use crate::lab::eval::run::{read_all_records, read_json, ExampleRecord, RunInfo, BASELINE};
 use crate::lab::eval::spec::TaskSource;
 use crate::lab::plot::{self, line_chart, Chart, Mark};
-use crate::lab::stats::{bootstrap95, interval95, sign_flip_p, two_way_interval95};
+use crate::lab::stats::{bootstrap95, format_p, interval95, sign_flip_p, two_way_interval95};
 use crate::provenance::machine;
 use crate::results::{write_atomic, write_experiment, ResultRecord, SCHEMA_VERSION};
 use crate::{Error, Result};
@@ -423,10 +423,7 @@ fn paired_section(diffs: &[&ResultRecord]) -> String {
                     .map_or("all".to_string(), |c| c.to_string()),
                 r.n,
                 r.value,
-                match r.p_value.unwrap_or(1.0) {
-                    p if p < 0.001 => "< 0.001".to_string(),
-                    p => format!("{p:.3}"),
-                }
+                format_p(r.p_value.unwrap_or(1.0))
             ));
         }
         md.push('\n');
