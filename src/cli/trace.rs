@@ -104,15 +104,23 @@ pub fn run(args: TraceArgs) -> anyhow::Result<()> {
                     serde_json::json!({"task": "hotpotqa", "file": file, "rows": [start, end]}),
                 ),
             };
-            if let Some(rows) = args.rows {
-                let ids = row_ids(&file, rows)?;
-                loaded.examples.retain(|e| ids.contains(&e.id));
-                loaded
+            match args.rows {
+                None => loaded
                     .skipped
-                    .retain(|s| s.line > rows[0] && s.line <= rows[1]);
-            }
-            for s in &loaded.skipped {
-                eprintln!("note: skipped {s}");
+                    .iter()
+                    .for_each(|s| eprintln!("note: skipped {s}")),
+                // Skipped rows carry file lines, not row numbers: count the range's losses.
+                Some([start, end]) => {
+                    let ids = row_ids(&file, [start, end])?;
+                    loaded.examples.retain(|e| ids.contains(&e.id));
+                    if loaded.examples.len() < ids.len() {
+                        eprintln!(
+                            "note: {} of the {} questions of rows {start}..{end} skipped (too long or malformed)",
+                            ids.len() - loaded.examples.len(),
+                            ids.len()
+                        );
+                    }
+                }
             }
             (loaded.examples, task, LabelKind::Continuous)
         }

@@ -312,14 +312,22 @@ pub fn run(
                 )
             })
     };
-    // The spec's probe answers the tasks without folds; each fold loads its own.
-    let spec_probe_used = spec.tasks.iter().any(|t| {
-        t.folds.is_empty()
-            && spec
-                .variants
+    // Per task, whether a variant on it uses a probe: the spec's probe for the tasks
+    // without folds, each fold's own for the others.
+    let needs_probe: Vec<bool> = spec
+        .tasks
+        .iter()
+        .map(|t| {
+            spec.variants
                 .iter()
                 .any(|v| v.runs_on(&t.name) && uses_probe(v))
-    });
+        })
+        .collect();
+    let spec_probe_used = spec
+        .tasks
+        .iter()
+        .zip(&needs_probe)
+        .any(|(t, &needs)| needs && t.folds.is_empty());
     let probe = match spec_probe_used {
         true => Some(Probe::load(&sub(&spec.probe, "probe")?)?),
         false => None,
@@ -373,13 +381,8 @@ pub fn run(
         .tasks
         .iter()
         .zip(&questions)
-        .map(|(t, all)| {
-            let needs_probe = spec
-                .variants
-                .iter()
-                .any(|v| v.runs_on(&t.name) && uses_probe(v));
-            fold_questions(t, all, &id.name, needs_probe)
-        })
+        .zip(&needs_probe)
+        .map(|((t, all), &needs)| fold_questions(t, all, &id.name, needs))
         .collect::<Result<_>>()?;
     std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
     let path = out.join("records.jsonl");
