@@ -12,8 +12,11 @@
 //! ```
 //!
 //! The commit comes from `build.rs` (`git rev-parse HEAD`, `-dirty` when tracked files
-//! differ from it); it is `null` in a build outside a git checkout. [`machine`] describes
-//! the machine for reports that measure speed.
+//! differ from it); it is `null` in a build outside a git checkout. `cpu` ([`cpu`]) names
+//! the CPU model and its SIMD extensions: the fast numerics choose their kernels by them at
+//! run time, and greedy outputs differ between kernels, so a run that resumes a file made
+//! on another CPU is refused ([`Made::resumable_by`]). [`machine`] adds the thread count,
+//! for reports that measure speed.
 
 use serde::{Deserialize, Serialize};
 
@@ -38,6 +41,8 @@ pub struct Made {
     pub command: String,
     /// When the file was made: UTC, RFC 3339 (`2026-12-01T09:30:00Z`).
     pub date: String,
+    /// The CPU it ran on ([`cpu`]); empty in files made before it was recorded.
+    pub cpu: String,
     /// A remark: files whose provenance was filled in afterwards say so here.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub note: Option<String>,
@@ -56,14 +61,30 @@ impl Made {
             git_commit: option_env!("HEADWISE_GIT_COMMIT").map(str::to_string),
             command: command_line(),
             date: utc_rfc3339(secs),
+            cpu: cpu(),
             note: None,
         }
     }
 
-    /// Whether a file made with `self` may be reused or continued by a run with `now`'s
-    /// numerics: the same numerics, or none recorded (a file from before provenance).
-    pub fn numerics_match(&self, now: &Made) -> bool {
-        self.numerics.is_empty() || self.numerics == now.numerics
+    /// Whether a file made with `self` may be reused or continued by the run `now`: the
+    /// same numerics on the same CPU. A field left empty (a file made before it was
+    /// recorded) matches anything.
+    pub fn resumable_by(&self, now: &Made) -> bool {
+        let known = |was: &str, is: &str| was.is_empty() || was == is;
+        known(&self.numerics, &now.numerics) && known(&self.cpu, &now.cpu)
+    }
+
+    /// What [`Made::resumable_by`] found different, for an error message: e.g.
+    /// `numerics reference, not fast` or `CPU "Intel Xeon, avx2", not "AMD EPYC, avx2"`.
+    pub fn mismatch(&self, now: &Made) -> String {
+        let mut out = Vec::new();
+        if !self.numerics.is_empty() && self.numerics != now.numerics {
+            out.push(format!("numerics {}, not {}", self.numerics, now.numerics));
+        }
+        if !self.cpu.is_empty() && self.cpu != now.cpu {
+            out.push(format!("CPU \"{}\", not \"{}\"", self.cpu, now.cpu));
+        }
+        out.join("; ")
     }
 
     /// One Markdown line for a report (whose text gives the command): version, commit,
@@ -73,8 +94,16 @@ impl Made {
             .git_commit
             .as_deref()
             .map_or(String::new(), |c| format!(" (commit `{c}`)"));
+        let cpu = match self.cpu.as_str() {
+            "" => String::new(),
+            c => format!(" ({c})"),
+        };
+        let note = self
+            .note
+            .as_deref()
+            .map_or(String::new(), |n| format!(" Note: {n}."));
         format!(
-            "Made by headwise {}{commit} with `{}` numerics on {}.",
+            "Made by headwise {}{commit} with `{}` numerics on {}{cpu}.{note}",
             self.headwise_version, self.numerics, self.date
         )
     }
@@ -95,6 +124,20 @@ const SIMD_FLAGS: [&str; 7] = [
 /// The machine, for a report's README: CPU model (`/proc/cpuinfo`), threads and the
 /// SIMD extensions among [`SIMD_FLAGS`] it has, e.g. `AMD EPYC, 2 threads, avx2 fma`.
 pub fn machine() -> String {
+    let (model, simd) = cpu_parts();
+    let threads = std::thread::available_parallelism().map_or(0, |n| n.get());
+    format!("{model}, {threads} threads{simd}")
+}
+
+/// The CPU as [`Made::cpu`] records it: [`machine`] without the thread count, e.g.
+/// `AMD EPYC, avx2 fma f16c`.
+pub fn cpu() -> String {
+    let (model, simd) = cpu_parts();
+    format!("{model}{simd}")
+}
+
+/// The CPU model and `, ` followed by its SIMD extensions (empty when it has none).
+fn cpu_parts() -> (String, String) {
     let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
     let field = |name: &str| {
         info.lines()
@@ -102,19 +145,18 @@ pub fn machine() -> String {
             .and_then(|l| l.split_once(':'))
             .map(|(_, v)| v.trim().to_string())
     };
-    let cpu = field("model name").unwrap_or_else(|| "unknown CPU".into());
+    let model = field("model name").unwrap_or_else(|| "unknown CPU".into());
     let flags = field("flags").unwrap_or_default();
     let simd: Vec<&str> = SIMD_FLAGS
         .into_iter()
         .filter(|f| flags.split_whitespace().any(|x| x == *f))
         .collect();
-    let threads = std::thread::available_parallelism().map_or(0, |n| n.get());
     let simd = if simd.is_empty() {
         String::new()
     } else {
         format!(", {}", simd.join(" "))
     };
-    format!("{cpu}, {threads} threads{simd}")
+    (model, simd)
 }
 
 /// This process's command line, as [`Made::command`] records it.
@@ -239,6 +281,10 @@ mod tests {
                 .all(|f| f.is_empty() || SIMD_FLAGS.contains(&f)),
             "{m}"
         );
+        // the CPU is the machine without its threads
+        let (model, simd) = m.split_once(" threads").unwrap();
+        let model = model.rsplit_once(", ").unwrap().0;
+        assert_eq!(cpu(), format!("{model}{simd}"));
     }
 
     #[test]
@@ -248,8 +294,31 @@ mod tests {
         let json = serde_json::to_value(Made::now("fast")).unwrap();
         assert!(json.get("note").is_none() && json.get("git_commit").is_some());
         assert!(Made::now("fast").markdown().contains("`fast` numerics"));
-        assert!(old.numerics_match(&Made::now("ggml")));
-        assert!(Made::now("fast").numerics_match(&Made::now("fast")));
-        assert!(!Made::now("fast").numerics_match(&Made::now("ggml")));
+        assert!(old.resumable_by(&Made::now("ggml")));
+    }
+
+    #[test]
+    fn a_file_resumes_only_with_the_same_numerics_on_the_same_cpu() {
+        let here = Made::now("fast");
+        assert!(here.resumable_by(&Made::now("fast")));
+        let ggml = Made::now("ggml");
+        assert!(!here.resumable_by(&ggml));
+        assert_eq!(here.mismatch(&ggml), "numerics fast, not ggml");
+        let elsewhere = Made {
+            cpu: "Some Other CPU, avx2".into(),
+            ..Made::now("fast")
+        };
+        assert!(!elsewhere.resumable_by(&here));
+        assert_eq!(
+            elsewhere.mismatch(&here),
+            format!("CPU \"Some Other CPU, avx2\", not \"{}\"", here.cpu)
+        );
+        // a file from before the CPU was recorded
+        let unknown = Made {
+            cpu: String::new(),
+            ..Made::now("fast")
+        };
+        assert!(unknown.resumable_by(&here) && unknown.mismatch(&here).is_empty());
+        assert!(here.markdown().ends_with(&format!(" ({}).", here.cpu)));
     }
 }

@@ -1,6 +1,6 @@
 //! The eval runner on the real model: an interrupted and resumed run summarises exactly
 //! like an uninterrupted one, shards merge to the same summary, and a folder holding a
-//! run of another spec is refused.
+//! run of another spec, or one made on another CPU, is refused.
 
 mod common;
 
@@ -154,11 +154,27 @@ fn a_changed_spec_does_not_mix_into_an_old_run() {
         .unwrap()
         .run(None)
         .unwrap();
-    s.max_new = 3;
-    let err = Runner::prepare(s, &lm, &id, opts(&dir))
+    let mut changed = s.clone();
+    changed.max_new = 3;
+    let err = Runner::prepare(changed, &lm, &id, opts(&dir))
         .err()
         .expect("a different spec is refused")
         .to_string();
     assert!(err.contains("holds a run of another spec"), "{err}");
+    // the same spec, but the folder's run was made on another CPU: its greedy outputs
+    // may differ, so the records must not mix
+    let run_json = dir.join("run.json");
+    let mut info: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&run_json).unwrap()).unwrap();
+    info["cpu"] = "Another CPU, avx2 fma f16c".into();
+    std::fs::write(&run_json, serde_json::to_vec(&info).unwrap()).unwrap();
+    let err = Runner::prepare(s, &lm, &id, opts(&dir))
+        .err()
+        .expect("a run made on another CPU is refused")
+        .to_string();
+    assert!(
+        err.contains("made with CPU \"Another CPU, avx2 fma f16c\", not"),
+        "{err}"
+    );
     std::fs::remove_dir_all(dir).unwrap();
 }

@@ -621,6 +621,24 @@ fn cross_fitted_folds_use_the_other_folds_probe_and_refuse_their_own() {
     assert_eq!(records.lines().count(), 10, "{records}");
     let readme = std::fs::read_to_string(out.join("README.md")).unwrap();
     assert!(readme.contains("Cross-fitted `hotpotqa`"), "{readme}");
+    // run.json names the CPU the answers were made on, and the report says it; a resumed
+    // run on another CPU is refused (greedy answers differ between kernels)
+    let run_json = out.join("run.json");
+    let mut info: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&run_json).unwrap()).unwrap();
+    let cpu = info["cpu"].as_str().unwrap().to_string();
+    assert!(
+        !cpu.is_empty() && readme.contains(&format!("({cpu})")),
+        "{info}"
+    );
+    info["cpu"] = "Another CPU, avx2".into();
+    std::fs::write(&run_json, serde_json::to_vec(&info).unwrap()).unwrap();
+    let ((code, err), _) = run(spec("5..10", "0..5"), "crossed");
+    assert_eq!(code, 1, "{err}");
+    assert!(
+        err.contains("holds answers made with CPU \"Another CPU, avx2\", not"),
+        "{err}"
+    );
     let ((code, err), out) = run(spec("0..5", "5..10"), "own");
     assert_eq!(code, 1, "{err}");
     assert!(

@@ -238,6 +238,7 @@ pub fn run_ablation(args: DynamicAblationArgs) -> anyhow::Result<()> {
         "mode": args.mode.name(),
         "max_new": args.max_new,
         "numerics": numerics.name(),
+        "cpu": headwise::provenance::cpu(),
         "random_heads": "seeded by prompt id",
     });
     let partial = out.join(".niah-ablation.partial.jsonl");
@@ -310,8 +311,9 @@ fn read_partial(partial: &Path, header: &serde_json::Value) -> anyhow::Result<Ve
         .unwrap_or(serde_json::Value::Null);
     if found != *header {
         anyhow::bail!(
-            "{} holds prompts of a different run (model, static set, --mode, --max-new or numerics); remove it to start over",
-            partial.display()
+            "{} holds prompts of a different run (model, static set, --mode, --max-new, numerics or CPU: made on {}); remove it to start over",
+            partial.display(),
+            found["cpu"].as_str().unwrap_or("an unrecorded CPU")
         );
     }
     // a line cut by an interruption is dropped and its prompt redone

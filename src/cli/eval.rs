@@ -208,13 +208,13 @@ fn rag(args: SweepArgs, report_only: bool) -> anyhow::Result<()> {
         0,
         "{bar:40} {pos}/{len} answers, {elapsed} elapsed, ETA {eta}",
     );
+    let made = Made::now(numerics.name());
     let n = match report_only {
         true => 0,
-        false => rag_eval::run(&spec, &lm, &id, &data_dir, &dir, limit, Some(&bar))?,
+        false => rag_eval::run(&spec, &lm, &id, &data_dir, &dir, limit, &made, Some(&bar))?,
     };
     bar.finish_and_clear();
     // The report names the command that generates the records.
-    let made = Made::now(numerics.name());
     let made = Made {
         command: made.command.replace(" --report-only", ""),
         ..made

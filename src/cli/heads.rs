@@ -312,6 +312,10 @@ struct PartialHeader {
     numerics: Option<String>,
     #[serde(default)]
     haystack: Option<String>,
+    /// The CPU ([`headwise::provenance::cpu`]): greedy outputs differ between kernels.
+    /// Absent in files written before it was recorded.
+    #[serde(default)]
+    cpu: Option<String>,
 }
 
 impl PartialHeader {
@@ -324,6 +328,7 @@ impl PartialHeader {
             && self.locos_steps == now.locos_steps
             && known(&self.numerics, &now.numerics)
             && known(&self.haystack, &now.haystack)
+            && known(&self.cpu, &now.cpu)
     }
 }
 
@@ -385,6 +390,7 @@ fn score(args: &ScoreArgs) -> anyhow::Result<()> {
         locos_steps: args.locos_steps,
         numerics: Some(numerics.name().to_string()),
         haystack: Some(haystack.name().to_string()),
+        cpu: Some(headwise::provenance::cpu()),
     };
     let partial = dir.join(format!(
         ".{}{}.partial.jsonl",
@@ -516,8 +522,9 @@ fn resume(partial: &Path, header: &PartialHeader) -> anyhow::Result<Vec<TrialOut
         .map_err(|e| anyhow::anyhow!("{}: unreadable header ({e})", partial.display()))?;
     if !found.serves(header) {
         anyhow::bail!(
-            "{} holds trials of a different run (model, task, --max-new, --locos-steps, numerics or haystack); remove it to start over",
-            partial.display()
+            "{} holds trials of a different run (model, task, --max-new, --locos-steps, numerics, haystack or CPU: made on {}); remove it to start over",
+            partial.display(),
+            found.cpu.as_deref().unwrap_or("an unrecorded CPU")
         );
     }
     let mut out = Vec::new();
@@ -557,5 +564,28 @@ fn print_stability(stability: &[TopKStability]) {
             "top-{} bootstrap Jaccard with the full set: mean {:.3}, 5th percentile {:.3} ({} resamples)",
             s.k, s.mean_jaccard, s.p05_jaccard, s.rounds
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_partial_file_serves_only_runs_on_the_same_cpu() {
+        let header = |cpu: Option<&str>| PartialHeader {
+            model_sha256: "abc".into(),
+            spec: serde_json::json!({"kind": "niah"}),
+            max_new: 8,
+            locos_steps: LocosSteps::Greedy,
+            numerics: Some("fast".into()),
+            haystack: Some("data".into()),
+            cpu: cpu.map(str::to_string),
+        };
+        let here = header(Some("AMD EPYC, avx2 fma f16c"));
+        assert!(here.serves(&here));
+        assert!(!header(Some("Intel Xeon, avx2 avx512f")).serves(&here));
+        // a file written before the CPU was recorded
+        assert!(header(None).serves(&here));
     }
 }

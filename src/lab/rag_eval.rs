@@ -2,8 +2,9 @@
 //! variant (closed book, all paragraphs, `once`, `every_n`, `rind`, `retrieval_heads`),
 //! retrieving with BM25 from the task's paragraph pool (every question's paragraphs,
 //! deduplicated, indexed in memory). One JSON line per (task, question, variant) in
-//! `records.jsonl`, so a run resumes; [`write_report`] writes `summary.json` (em, f1,
-//! retrievals, generated_tokens, secs) and `README.md`.
+//! `records.jsonl`, so a run resumes; `run.json` ([`RagRun`]) names the model, numerics
+//! and CPU of the records, and a resumed run of another is refused. [`write_report`]
+//! writes `summary.json` (em, f1, retrievals, generated_tokens, secs) and `README.md`.
 //!
 //! ```toml
 //! name = "rag"
@@ -47,6 +48,7 @@ use std::path::{Path, PathBuf};
 use indicatif::ProgressBar;
 use serde::{Deserialize, Serialize};
 
+use crate::artifact::{read_versioned, Versioned};
 use crate::lab::eval::run::{append_jsonl, open_append, read_jsonl};
 use crate::lab::plot::{interval_panels, Panel};
 use crate::lab::stats::{bootstrap95, format_p, mean_se, sign_flip_p};
@@ -281,8 +283,75 @@ pub struct RagRecord {
     pub retriever_errors: Vec<String>,
 }
 
+/// `run.json` of a RAG run folder: the model and how the folder's records were made.
+/// Records are keyed by (task, question, variant), so a spec may gain variants between
+/// runs; a run with another model, numerics or CPU is refused (greedy answers differ).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RagRun {
+    pub schema_version: u32,
+    pub model: String,
+    pub model_sha256: String,
+    /// Numerics, CPU, build, command line and date of the first run into the folder
+    /// (`note` counts the records older than this file, whose CPU is unknown).
+    #[serde(flatten)]
+    pub made: Made,
+}
+
+impl Versioned for RagRun {
+    const KIND: &'static str = "RAG run";
+    const SCHEMA_VERSION: u32 = 1;
+}
+
+/// Check `out/run.json` against this run, or write it when the folder has none: a
+/// folder of another model, numerics or CPU is an error. `records` is how many records
+/// the folder holds already.
+fn check_run(out: &Path, id: &ModelId, made: &Made, records: usize) -> Result<()> {
+    let path = out.join("run.json");
+    if path.exists() {
+        let old: RagRun = read_versioned(&path)?;
+        if old.model_sha256 != id.sha256 {
+            return Err(Error::invalid(
+                "out",
+                format!(
+                    "{} holds answers of another model ({}); use another --out",
+                    out.display(),
+                    old.model
+                ),
+            ));
+        }
+        if !old.made.resumable_by(made) {
+            return Err(Error::invalid(
+                "out",
+                format!(
+                    "{} holds answers made with {}; use another --out",
+                    out.display(),
+                    old.made.mismatch(made)
+                ),
+            ));
+        }
+        return Ok(());
+    }
+    let note = (records > 0).then(|| {
+        format!("{records} records predate this file: their numerics and CPU were not recorded")
+    });
+    let info = RagRun {
+        schema_version: RagRun::SCHEMA_VERSION,
+        model: id.name.clone(),
+        model_sha256: id.sha256.clone(),
+        made: Made {
+            note,
+            ..made.clone()
+        },
+    };
+    let json =
+        serde_json::to_vec_pretty(&info).map_err(|e| Error::invalid("json", e.to_string()))?;
+    write_atomic(&path, &json)
+}
+
 /// Run every (task, question, variant) not yet in `out/records.jsonl`; returns how many
-/// answers were generated.
+/// answers were generated. `made` describes this run (its numerics and CPU must match
+/// the folder's `run.json`).
+#[allow(clippy::too_many_arguments)]
 pub fn run(
     spec: &RagSpec,
     lm: &LoadedModel,
@@ -290,6 +359,7 @@ pub fn run(
     data_dir: &Path,
     out: &Path,
     limit: Option<usize>,
+    made: &Made,
     bar: Option<&ProgressBar>,
 ) -> Result<usize> {
     let stop = Stopwords::load(&data_dir.join(&spec.stopwords))?;
@@ -390,6 +460,7 @@ pub fn run(
         .into_iter()
         .map(|r| (r.task, r.id, r.variant))
         .collect();
+    check_run(out, id, made, done.len())?;
     let mut file = open_append(&path)?;
     let mut generated = 0;
     for ((task, all), folds) in spec.tasks.iter().zip(&questions).zip(&folds) {
@@ -714,13 +785,22 @@ fn folds_note(spec: &RagSpec) -> String {
 
 /// Write `summary.json` and `README.md` of a run folder from its records, in the
 /// spec's variant order; `made` is the provenance of the run (its command the one that
-/// generates the records).
+/// generates the records), with the CPU of the folder's `run.json` when it has one (the
+/// report may be written on another machine than the answers).
 pub fn write_report(
     dir: &Path,
     spec: &RagSpec,
     id: &ModelId,
     made: &Made,
 ) -> Result<Vec<ResultRecord>> {
+    let run_json = dir.join("run.json");
+    let made = &match run_json.exists() {
+        true => Made {
+            cpu: read_versioned::<RagRun>(&run_json)?.made.cpu,
+            ..made.clone()
+        },
+        false => made.clone(),
+    };
     let records: Vec<RagRecord> = read_jsonl(&dir.join("records.jsonl"))?;
     let mut groups: BTreeMap<(String, String), Vec<&RagRecord>> = BTreeMap::new();
     for r in &records {

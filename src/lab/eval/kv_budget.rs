@@ -320,15 +320,22 @@ pub fn run(
     let run_json = out.join("run.json");
     if run_json.exists() {
         let old: BudgetRun = read_json(&run_json)?;
-        if old.spec != info.spec
-            || old.model_sha256 != info.model_sha256
-            || !old.made.numerics_match(made)
-        {
+        if old.spec != info.spec || old.model_sha256 != info.model_sha256 {
             return Err(Error::invalid(
                 "out",
                 format!(
-                    "{} holds a run of another spec, model or numerics; use another --out",
+                    "{} holds a run of another spec or model; use another --out",
                     out.display()
+                ),
+            ));
+        }
+        if !old.made.resumable_by(made) {
+            return Err(Error::invalid(
+                "out",
+                format!(
+                    "{} holds a run made with {}; use another --out",
+                    out.display(),
+                    old.made.mismatch(made)
                 ),
             ));
         }

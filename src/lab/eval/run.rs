@@ -588,7 +588,7 @@ fn calibration(
     let path = opts.out_dir.join("calibration.json");
     if path.exists() {
         let c = Calibration::load(&path, id)?;
-        if c.source == source && c.made.numerics_match(&opts.made) {
+        if c.source == source && c.made.resumable_by(&opts.made) {
             warnings.push(format!("reusing {}", path.display()));
             return Ok(c);
         }
@@ -606,18 +606,25 @@ fn check_run_info(dir: &Path, info: &RunInfo) -> Result<()> {
         return Ok(());
     }
     let old: RunInfo = read_json(&path)?;
-    if old.model_sha256 != info.model_sha256
-        || old.spec != info.spec
-        || !old.made.numerics_match(&info.made)
-    {
+    if old.model_sha256 != info.model_sha256 || old.spec != info.spec {
         return Err(Error::invalid(
             "output",
             format!(
-                "{} holds a run of another spec, model or numerics ({}, {}); use another \
-                 experiment name or move the folder away",
+                "{} holds a run of another spec or model ({}); use another experiment name \
+                 or move the folder away",
                 dir.display(),
                 old.model,
-                old.made.numerics
+            ),
+        ));
+    }
+    if !old.made.resumable_by(&info.made) {
+        return Err(Error::invalid(
+            "output",
+            format!(
+                "{} holds a run made with {}: its records would mix with this run's; use \
+                 another experiment name or move the folder away",
+                dir.display(),
+                old.made.mismatch(&info.made)
             ),
         ));
     }
