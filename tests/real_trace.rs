@@ -1,13 +1,13 @@
 //! Per-step labels on the real model: a NIAH answer copied from the needle lights up
-//! retrieval heads at the steps that copy it, and teacher forcing records exactly the
-//! forced tokens.
+//! retrieval heads at the steps that copy it, teacher forcing records exactly the forced
+//! tokens, and `heads trace` resumes from its partial file.
 
 mod common;
 
 use headwise::lab::eval::Example;
-use headwise::lab::heads::trace::{record, Effective, TraceConfig};
+use headwise::lab::heads::trace::{record, Effective, ExampleSteps, Trace, TraceConfig};
 use headwise::lab::tasks::{self, Encoder, Haystack, TaskKind, TaskSpec};
-use headwise::model::{Interventions, LoadedModel, Numerics};
+use headwise::model::{Interventions, LoadedModel, ModelId, Numerics};
 use headwise::probe::LabelKind;
 
 #[test]
@@ -61,4 +61,94 @@ fn niah_steps_that_copy_the_needle_have_active_heads() {
     let ex = Example::from_trial(&trials[0]);
     let teacher = record(&lm, &ex, &cfg, Some(forced), &mut |_| none.clone()).unwrap();
     assert_eq!(&teacher.tokens, forced);
+}
+
+#[test]
+fn an_interrupted_trace_resumes_from_its_partial_file_and_refuses_another_runs() {
+    let Some(data) = common::data_dir() else {
+        return;
+    };
+    let model = common::real_model();
+    let id = ModelId::of_file(&model).unwrap();
+    let dir = std::env::temp_dir().join(format!("headwise-trace-resume-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let trace = |stem: &str, max_new: &str| {
+        let run = std::process::Command::new(env!("CARGO_BIN_EXE_headwise"))
+            .args(["heads", "trace", "--task", "niah", "--lengths", "256"])
+            .args(["--depths", "0.5", "--trials", "2", "--max-new", max_new])
+            .arg("--data-dir")
+            .arg(&data)
+            .arg("--model")
+            .arg(&model)
+            .arg("--out")
+            .arg(dir.join(stem))
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&run.stderr).to_string();
+        (run.status.success(), err)
+    };
+    let (ok, err) = trace("whole", "4");
+    assert!(ok, "{err}");
+    assert!(!dir.join(".whole.partial.jsonl").exists());
+    // What an interrupted run leaves: the header, a finished prompt (made-up steps, so that
+    // reuse shows), a prompt of another grid and a line cut short.
+    let config = TraceConfig {
+        label_kind: LabelKind::Binary,
+        effective: Effective::default(),
+        max_new: 4,
+        teacher: false,
+    };
+    let header = serde_json::json!({
+        "model_sha256": id.sha256,
+        "task": "niah",
+        "config": config,
+        "numerics": "fast",
+        "cpu": headwise::provenance::cpu(),
+    });
+    let (n_heads, d_model) = (30 * 9, 576);
+    let made_up = ExampleSteps {
+        features: vec![vec![0.5; d_model]],
+        labels: vec![vec![1.0; n_heads]],
+        tokens: vec![7],
+    };
+    let line = |prompt: &str| serde_json::json!({"id": prompt, "steps": made_up}).to_string();
+    let partial = dir.join(".cut.partial.jsonl");
+    std::fs::write(
+        &partial,
+        format!(
+            "{header}\n{}\n{}\n{{\"id\": \"niah-L2",
+            line("niah-L256-D50-s0"),
+            line("niah-L512-D50-s9")
+        ),
+    )
+    .unwrap();
+    // Another --max-new is another run: refused, the file left as it was.
+    let (ok, err) = trace("cut", "5");
+    assert!(!ok, "{err}");
+    assert!(err.contains("holds prompts of a different trace"), "{err}");
+    assert!(!dir.join("cut.json").exists());
+    let (ok, err) = trace("cut", "4");
+    assert!(ok, "{err}");
+    assert!(err.contains("resuming: 2 prompts already traced"), "{err}");
+    let (whole, _) = Trace::load(&dir.join("whole.json")).unwrap();
+    let (cut, card) = Trace::load(&dir.join("cut.json")).unwrap();
+    assert_eq!(card.prompts, 2);
+    // Prompt 0 is the stored one; prompt 1 was traced now, as in the uninterrupted run.
+    let rows = |t: &Trace, p: usize| -> Vec<usize> {
+        (0..t.len()).filter(|&i| t.prompt[i] == p).collect()
+    };
+    assert_eq!(rows(&cut, 0), [0]);
+    assert_eq!(cut.features.row(0).to_vec(), made_up.features[0]);
+    assert_eq!(cut.labels.row(0).to_vec(), made_up.labels[0]);
+    let (new, old) = (rows(&cut, 1), rows(&whole, 1));
+    assert!(!new.is_empty() && new.len() == old.len());
+    for (&a, &b) in new.iter().zip(&old) {
+        assert_eq!(cut.features.row(a), whole.features.row(b));
+        assert_eq!(cut.labels.row(a), whole.labels.row(b));
+    }
+    // The prompt of the other grid stays in the file for its own run.
+    let left = std::fs::read_to_string(&partial).unwrap();
+    assert!(left.contains("niah-L512-D50-s9"), "{left}");
+    std::fs::remove_dir_all(&dir).unwrap();
 }

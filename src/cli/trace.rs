@@ -1,20 +1,27 @@
-//! `headwise heads trace`: per-step retrieval-head labels with hidden states.
+//! `headwise heads trace`: per-step retrieval-head labels with hidden states. Each
+//! prompt's steps are appended to `.<stem>.partial.jsonl` beside the output as they are
+//! recorded, so an interrupted trace resumes, and another grid (more seeds or rows)
+//! reuses the prompts it shares with the file; the file goes when the trace is written
+//! and holds no prompt of another grid.
 
-use std::collections::HashSet;
-use std::path::PathBuf;
+use std::collections::{HashMap, HashSet};
+use std::io::Write;
+use std::path::{Path, PathBuf};
 
 use clap::{Args, ValueEnum};
 use headwise::lab::eval::datasets::hotpotqa;
 use headwise::lab::eval::Example;
 use headwise::lab::heads::trace::{
-    record, Effective, Trace, TraceCard, TraceConfig, SCHEMA_VERSION,
+    record, Effective, ExampleSteps, Trace, TraceCard, TraceConfig, SCHEMA_VERSION,
 };
 use headwise::lab::tasks::{self, Encoder, Haystack, TaskKind, TaskSpec};
+use headwise::lock::OutputLock;
 use headwise::model::{Interventions, LoadedModel, ModelId, Numerics};
 use headwise::probe::LabelKind;
-use headwise::provenance::Made;
+use headwise::provenance::{self, Made};
 use headwise::rag::corpus::CorpusFormat;
 use headwise::rag::qa;
+use headwise::results::write_atomic;
 
 use super::ModelArgs;
 
@@ -137,25 +144,6 @@ pub fn run(args: TraceArgs) -> anyhow::Result<()> {
         max_new: args.max_new,
         teacher: args.teacher.unwrap_or(args.task == TraceTask::Hotpotqa),
     };
-    let mc = lm.model.config();
-    let mut trace = Trace::empty(kind, mc.n_layers, mc.n_heads, mc.d_model);
-    let bar = super::progress(
-        examples.len() as u64,
-        "{bar:40} {pos}/{len} prompts, {elapsed} elapsed, ETA {eta} {msg}",
-    );
-    let none = Interventions::new();
-    for (i, ex) in examples.iter().enumerate() {
-        bar.set_message(ex.id.clone());
-        let gold = if cfg.teacher {
-            Some(enc.encode(&format!(" {}", ex.answers[0]))?)
-        } else {
-            None
-        };
-        let steps = record(&lm, ex, &cfg, gold.as_deref(), &mut |_| none.clone())?;
-        trace.push(i, &steps)?;
-        bar.inc(1);
-    }
-    bar.finish_and_clear();
     let name = match args.task {
         TraceTask::Niah => "niah",
         TraceTask::Hotpotqa => "hotpotqa",
@@ -166,6 +154,67 @@ pub fn run(args: TraceArgs) -> anyhow::Result<()> {
             .join("traces")
             .join(name)
     });
+    let file_name = stem
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .ok_or_else(|| anyhow::anyhow!("--out {}: not a file stem", stem.display()))?;
+    let dir = match stem.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let _lock = OutputLock::acquire(&dir, &format!("trace-{file_name}"))?;
+    let header = PartialHeader {
+        model_sha256: id.sha256.clone(),
+        task: name.to_string(),
+        config: cfg,
+        numerics: numerics.name().to_string(),
+        cpu: provenance::cpu(),
+    };
+    let partial = dir.join(format!(".{file_name}.partial.jsonl"));
+    let mut done = resume(&partial, &header)?;
+    // Rewrite the file whole (a line cut by an interruption goes), keeping the prompts of
+    // other grids too, then append each new prompt as it is done.
+    let mut text = serde_json::to_string(&header)? + "\n";
+    for (id, steps) in &done {
+        let line = PartialPrompt {
+            id: id.clone(),
+            steps: steps.clone(),
+        };
+        text += &(serde_json::to_string(&line)? + "\n");
+    }
+    write_atomic(&partial, text.as_bytes())?;
+    let mut log = std::fs::OpenOptions::new().append(true).open(&partial)?;
+    let mc = lm.model.config();
+    let mut trace = Trace::empty(kind, mc.n_layers, mc.n_heads, mc.d_model);
+    let bar = super::progress(
+        examples.len() as u64,
+        "{bar:40} {pos}/{len} prompts, {elapsed} elapsed, ETA {eta} {msg}",
+    );
+    let none = Interventions::new();
+    for (i, ex) in examples.iter().enumerate() {
+        bar.set_message(ex.id.clone());
+        let steps = match done.remove(&ex.id) {
+            Some(steps) => steps,
+            None => {
+                let gold = if cfg.teacher {
+                    Some(enc.encode(&format!(" {}", ex.answers[0]))?)
+                } else {
+                    None
+                };
+                let steps = record(&lm, ex, &cfg, gold.as_deref(), &mut |_| none.clone())?;
+                let line = PartialPrompt {
+                    id: ex.id.clone(),
+                    steps,
+                };
+                log.write_all((serde_json::to_string(&line)? + "\n").as_bytes())?;
+                log.flush()?;
+                line.steps
+            }
+        };
+        trace.push(i, &steps)?;
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
     let steps_active = trace
         .labels
         .rows()
@@ -190,6 +239,10 @@ pub fn run(args: TraceArgs) -> anyhow::Result<()> {
         made: Made::now(numerics.name()),
     };
     trace.save(&stem, &card)?;
+    // The file goes unless it holds prompts of another grid.
+    if done.is_empty() {
+        std::fs::remove_file(&partial)?;
+    }
     eprintln!(
         "{} prompts, {} steps ({} with an active head), label mean {:.4}: {}.json/.safetensors",
         card.prompts,
@@ -199,6 +252,59 @@ pub fn run(args: TraceArgs) -> anyhow::Result<()> {
         stem.display()
     );
     Ok(())
+}
+
+/// The first line of a trace's partial file: the run its prompts belong to. A prompt's
+/// id fixes its text (NIAH: length, depth and seed; HotpotQA: the question), so prompts
+/// under the same header are interchangeable between grids.
+#[derive(Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+struct PartialHeader {
+    model_sha256: String,
+    task: String,
+    config: TraceConfig,
+    numerics: String,
+    /// [`provenance::cpu`]: greedy steps differ between kernels.
+    cpu: String,
+}
+
+/// One prompt's steps, a line of the partial file.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct PartialPrompt {
+    id: String,
+    steps: ExampleSteps,
+}
+
+/// The prompts already in `partial` for the same run, by id; a file of another run is an
+/// error, and a line cut by an interruption is dropped (its prompt is traced again).
+fn resume(partial: &Path, header: &PartialHeader) -> anyhow::Result<HashMap<String, ExampleSteps>> {
+    let Ok(text) = std::fs::read_to_string(partial) else {
+        return Ok(HashMap::new());
+    };
+    let mut lines = text.lines();
+    let Some(first) = lines.next() else {
+        return Ok(HashMap::new());
+    };
+    let found: PartialHeader = serde_json::from_str(first)
+        .map_err(|e| anyhow::anyhow!("{}: unreadable header ({e})", partial.display()))?;
+    if found != *header {
+        anyhow::bail!(
+            "{} holds prompts of a different trace (model, task, --max-new, --teacher, --sink, --window, numerics or CPU: made on {}); remove it to start over",
+            partial.display(),
+            found.cpu
+        );
+    }
+    let done: HashMap<String, ExampleSteps> = lines
+        .filter_map(|l| serde_json::from_str::<PartialPrompt>(l).ok())
+        .map(|p| (p.id, p.steps))
+        .collect();
+    if !done.is_empty() {
+        eprintln!(
+            "resuming: {} prompts already traced in {}",
+            done.len(),
+            partial.display()
+        );
+    }
+    Ok(done)
 }
 
 /// `START..END` (END excluded, START < END).
