@@ -9,6 +9,7 @@ mod heads;
 mod model;
 mod parity;
 mod policy;
+mod progress;
 mod retriever;
 mod serve;
 mod trace;
@@ -19,6 +20,7 @@ use clap::builder::TypedValueParser;
 use clap::{Args, Parser, Subcommand};
 use headwise::model::fetch::{self, DEFAULT_MODELS_DIR, SMOLLM2};
 use headwise::model::Numerics;
+pub use progress::progress;
 
 /// Find, predict and use the attention heads that retrieve.
 #[derive(Parser, Debug)]
@@ -160,12 +162,4 @@ pub fn read_utf8(path: &Path) -> anyhow::Result<String> {
             e.utf8_error().valid_up_to()
         )
     })
-}
-
-/// A progress bar of `len` steps drawn with `template` (indicatif's syntax; a template
-/// it cannot read falls back to its plain bar).
-pub fn progress(len: u64, template: &str) -> indicatif::ProgressBar {
-    let style = indicatif::ProgressStyle::with_template(template)
-        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar());
-    indicatif::ProgressBar::new(len).with_style(style)
 }
