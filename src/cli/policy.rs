@@ -113,12 +113,18 @@ fn train_probe(args: TrainProbeArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// ` [lo, hi]` of a 95% interval, or nothing.
+fn interval(ci: Option<[f64; 2]>) -> String {
+    ci.map_or(String::new(), |[lo, hi]| format!(" [{lo:.3}, {hi:.3}]"))
+}
+
 /// One line of headline numbers.
 fn describe(m: &Metrics) -> String {
     match m {
         Metrics::Binary(b) => format!(
-            "micro F1 {:.3}, macro F1 {:.3}, AUPRC {}, precision {:.3}, recall {:.3} at {:.3}",
+            "micro F1 {:.3}{}, macro F1 {:.3}, AUPRC {}, precision {:.3}, recall {:.3} at {:.3}",
             b.micro_f1,
+            interval(b.micro_f1_ci95),
             b.macro_f1,
             b.auprc.map_or("-".into(), |a| format!("{a:.3}")),
             b.precision,
@@ -126,8 +132,9 @@ fn describe(m: &Metrics) -> String {
             b.threshold
         ),
         Metrics::Continuous(c) => format!(
-            "R^2 micro {}, mean per head {}, MSE {:.5}",
+            "R^2 micro {}{}, mean per head {}, MSE {:.5}",
             c.r2_micro.map_or("-".into(), |a| format!("{a:.3}")),
+            interval(c.r2_micro_ci95),
             c.r2_mean_per_head.map_or("-".into(), |a| format!("{a:.3}")),
             c.mse
         ),

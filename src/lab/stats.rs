@@ -1,6 +1,7 @@
 //! The few statistics the reports use: a mean with its standard error, a 95% interval
-//! for a mean (Wilson's for 0/1 scores, a percentile bootstrap otherwise), and a paired
-//! sign-flip test (exact McNemar when the scores are 0/1).
+//! for a mean (Wilson's for 0/1 scores, a percentile bootstrap otherwise), a bootstrap
+//! over groups of rows for pooled statistics, and a paired sign-flip test (exact McNemar
+//! when the scores are 0/1).
 
 use crate::rng::SplitMix64;
 
@@ -50,6 +51,32 @@ pub(crate) fn bootstrap95(xs: &[f64]) -> (f64, f64) {
         .map(|_| (0..xs.len()).map(|_| xs[rng.below(xs.len())]).sum::<f64>() / xs.len() as f64)
         .collect();
     percentiles95(&mut means)
+}
+
+/// A 95% interval for a statistic of grouped rows (a prompt's steps are not independent,
+/// so prompts are resampled whole): `stat` of each of 4,000 seeded resamples of `groups`
+/// drawn with replacement, 2.5th and 97.5th percentiles. Resamples where `stat` is
+/// undefined (`None`) are left out; `None` when every one is.
+pub(crate) fn group_bootstrap95<G>(
+    groups: &[G],
+    stat: impl Fn(&[&G]) -> Option<f64>,
+) -> Option<[f64; 2]> {
+    if groups.is_empty() {
+        return None;
+    }
+    let mut rng = SplitMix64::new(groups.len() as u64, 0x6_B007);
+    let mut picked: Vec<&G> = Vec::with_capacity(groups.len());
+    let mut values = Vec::with_capacity(BOOTSTRAP_ROUNDS);
+    for _ in 0..BOOTSTRAP_ROUNDS {
+        picked.clear();
+        picked.extend((0..groups.len()).map(|_| &groups[rng.below(groups.len())]));
+        values.extend(stat(&picked));
+    }
+    if values.is_empty() {
+        return None;
+    }
+    let (lo, hi) = percentiles95(&mut values);
+    Some([lo, hi])
 }
 
 /// The 2.5th and 97.5th percentiles of `v` (sorted in place).

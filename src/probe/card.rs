@@ -306,6 +306,10 @@ pub struct BinaryMetrics {
     /// A head is predicted active when its score is `>= threshold`.
     pub threshold: f32,
     pub micro_f1: f64,
+    /// 95% interval of the micro F1 over test prompts (resampled whole); absent in cards
+    /// made before it was recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub micro_f1_ci95: Option<[f64; 2]>,
     /// Mean F1 over the heads with at least one positive in the test split.
     pub macro_f1: f64,
     /// How many heads the macro F1 averages.
@@ -342,6 +346,10 @@ pub struct BinaryHeadMetrics {
 pub struct ContinuousMetrics {
     /// Pooled over heads; `None` when no head's test labels vary.
     pub r2_micro: Option<f64>,
+    /// 95% interval of the micro R^2 over test prompts (resampled whole); absent in cards
+    /// made before it was recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub r2_micro_ci95: Option<[f64; 2]>,
     /// Mean per-head R^2 over the heads whose test labels vary; `None` when none do.
     pub r2_mean_per_head: Option<f64>,
     /// How many heads the per-head mean averages.

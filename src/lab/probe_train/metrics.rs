@@ -8,8 +8,10 @@
 //! order (tied scores enter together), undefined without positives. Micro R^2 pools the
 //! residual and total sums of squares over heads, each head's total taken around its own
 //! test mean (scikit-learn's `variance_weighted`); the per-head mean averages the R^2 of
-//! the heads whose test labels vary.
+//! the heads whose test labels vary. The micro F1 and micro R^2 carry 95% intervals from
+//! resampling test prompts whole ([`group_bootstrap95`]).
 
+use crate::lab::stats::group_bootstrap95;
 use crate::probe::{
     BinaryHeadMetrics, BinaryMetrics, ContinuousHeadMetrics, ContinuousMetrics, PER_HEAD_TOP,
 };
@@ -101,28 +103,67 @@ pub fn best_threshold(scores: ArrayView2<f32>, labels: ArrayView2<f32>) -> f32 {
     best
 }
 
+/// The rows of each prompt: `prompt` `(rows,)` names each row's prompt; groups in order
+/// of first appearance.
+fn rows_by_prompt(prompt: &[usize]) -> Vec<Vec<usize>> {
+    let mut order: Vec<usize> = Vec::new();
+    let mut groups: std::collections::HashMap<usize, Vec<usize>> = Default::default();
+    for (row, &p) in prompt.iter().enumerate() {
+        groups
+            .entry(p)
+            .or_insert_with(|| {
+                order.push(p);
+                Vec::new()
+            })
+            .push(row);
+    }
+    order
+        .into_iter()
+        .filter_map(|p| groups.remove(&p))
+        .collect()
+}
+
 /// Binary metrics of `scores` against `labels`, both `(rows, heads)`, at `threshold`;
-/// `train_frequency` `(heads,)` picks the per-head breakdown, `n_heads` turns a column
-/// into (layer, head).
+/// `prompt` `(rows,)` names each row's prompt (for the interval), `train_frequency`
+/// `(heads,)` picks the per-head breakdown, `n_heads` turns a column into (layer, head).
 pub fn binary_metrics(
     scores: ArrayView2<f32>,
     labels: ArrayView2<f32>,
     threshold: f32,
+    prompt: &[usize],
     train_frequency: &[f64],
     n_heads: usize,
 ) -> BinaryMetrics {
     let heads = labels.ncols();
     let mut counts = vec![(0usize, 0usize, 0usize); heads]; // (tp, fp, fn) per head
+    let mut row_counts = Vec::with_capacity(labels.nrows()); // (tp, fp, fn) per row
     for (srow, lrow) in scores.outer_iter().zip(labels.outer_iter()) {
+        let mut row = (0, 0, 0);
         for (c, (&s, &l)) in srow.iter().zip(lrow.iter()).enumerate() {
             match (s >= threshold, l > 0.5) {
-                (true, true) => counts[c].0 += 1,
-                (true, false) => counts[c].1 += 1,
-                (false, true) => counts[c].2 += 1,
+                (true, true) => (counts[c].0, row.0) = (counts[c].0 + 1, row.0 + 1),
+                (true, false) => (counts[c].1, row.1) = (counts[c].1 + 1, row.1 + 1),
+                (false, true) => (counts[c].2, row.2) = (counts[c].2 + 1, row.2 + 1),
                 (false, false) => {}
             }
         }
+        row_counts.push(row);
     }
+    let per_prompt: Vec<(usize, usize, usize)> = rows_by_prompt(prompt)
+        .iter()
+        .map(|rows| {
+            rows.iter().fold((0, 0, 0), |a, &r| {
+                let c = row_counts[r];
+                (a.0 + c.0, a.1 + c.1, a.2 + c.2)
+            })
+        })
+        .collect();
+    let micro_f1_ci95 = group_bootstrap95(&per_prompt, |picked| {
+        let (tp, fp, fn_) = picked
+            .iter()
+            .fold((0, 0, 0), |a, c| (a.0 + c.0, a.1 + c.1, a.2 + c.2));
+        f1(tp, fp, fn_)
+    });
     let (tp, fp, fn_) = counts
         .iter()
         .fold((0, 0, 0), |a, c| (a.0 + c.0, a.1 + c.1, a.2 + c.2));
@@ -151,6 +192,7 @@ pub fn binary_metrics(
     BinaryMetrics {
         threshold,
         micro_f1: f1(tp, fp, fn_).unwrap_or(0.0),
+        micro_f1_ci95,
         macro_f1: if supported.is_empty() {
             0.0
         } else {
@@ -166,11 +208,13 @@ pub fn binary_metrics(
     }
 }
 
-/// Continuous metrics of `pred` against `truth`, both `(rows, heads)`; `train_mean`
-/// `(heads,)` picks the per-head breakdown, `n_heads` turns a column into (layer, head).
+/// Continuous metrics of `pred` against `truth`, both `(rows, heads)`; `prompt`
+/// `(rows,)` names each row's prompt (for the interval), `train_mean` `(heads,)` picks the
+/// per-head breakdown, `n_heads` turns a column into (layer, head).
 pub fn continuous_metrics(
     pred: ArrayView2<f32>,
     truth: ArrayView2<f32>,
+    prompt: &[usize],
     train_mean: &[f64],
     n_heads: usize,
 ) -> ContinuousMetrics {
@@ -195,6 +239,7 @@ pub fn continuous_metrics(
     let entries = rows * truth.ncols();
     ContinuousMetrics {
         r2_micro: (tot > 1e-12).then(|| 1.0 - res / tot),
+        r2_micro_ci95: r2_micro_ci95(pred, truth, prompt),
         r2_mean_per_head: (!varying.is_empty())
             .then(|| varying.iter().sum::<f64>() / varying.len() as f64),
         r2_heads: varying.len(),
@@ -225,6 +270,70 @@ pub(crate) fn top_heads(value: &[f64], k: usize) -> Vec<usize> {
     order
 }
 
+/// One prompt's share of the micro R^2: its rows, and per head the residual sum of
+/// squares, the sum and the sum of squares of the labels.
+struct R2Sums {
+    rows: usize,
+    res: Vec<f64>,
+    sum: Vec<f64>,
+    sq: Vec<f64>,
+}
+
+/// Each prompt's [`R2Sums`], prompts in order of first appearance.
+fn r2_sums(pred: ArrayView2<f32>, truth: ArrayView2<f32>, prompt: &[usize]) -> Vec<R2Sums> {
+    let heads = truth.ncols();
+    rows_by_prompt(prompt)
+        .iter()
+        .map(|rows| {
+            let mut s = R2Sums {
+                rows: rows.len(),
+                res: vec![0.0; heads],
+                sum: vec![0.0; heads],
+                sq: vec![0.0; heads],
+            };
+            for &r in rows {
+                for c in 0..heads {
+                    let (p, t) = (f64::from(pred[[r, c]]), f64::from(truth[[r, c]]));
+                    s.res[c] += (t - p) * (t - p);
+                    s.sum[c] += t;
+                    s.sq[c] += t * t;
+                }
+            }
+            s
+        })
+        .collect()
+}
+
+/// The micro R^2 of the rows of `parts` pooled, each head's total sum of squares taken
+/// around the pooled mean; `None` when no head's labels vary.
+fn r2_of(parts: &[&R2Sums]) -> Option<f64> {
+    let n: usize = parts.iter().map(|s| s.rows).sum();
+    let heads = parts.first().map_or(0, |s| s.res.len());
+    if n == 0 {
+        return None;
+    }
+    let (mut res, mut tot) = (0.0, 0.0);
+    for c in 0..heads {
+        let (mut sum, mut sq) = (0.0, 0.0);
+        for s in parts {
+            res += s.res[c];
+            sum += s.sum[c];
+            sq += s.sq[c];
+        }
+        tot += (sq - sum * sum / n as f64).max(0.0);
+    }
+    (tot > 1e-12).then(|| 1.0 - res / tot)
+}
+
+/// The 95% interval of the micro R^2 over prompts resampled whole.
+fn r2_micro_ci95(
+    pred: ArrayView2<f32>,
+    truth: ArrayView2<f32>,
+    prompt: &[usize],
+) -> Option<[f64; 2]> {
+    group_bootstrap95(&r2_sums(pred, truth, prompt), r2_of)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -251,7 +360,14 @@ mod tests {
         // Columns (heads) 0..3; threshold 0.5.
         let scores = array![[0.9f32, 0.2, 0.6], [0.8, 0.7, 0.1], [0.1, 0.4, 0.3]];
         let labels = array![[1f32, 0.0, 0.0], [1.0, 1.0, 0.0], [1.0, 1.0, 0.0]];
-        let m = binary_metrics(scores.view(), labels.view(), 0.5, &[0.5, 0.4, 0.1], 3);
+        let m = binary_metrics(
+            scores.view(),
+            labels.view(),
+            0.5,
+            &[0, 1, 2],
+            &[0.5, 0.4, 0.1],
+            3,
+        );
         // head 0: tp 2 fn 1 -> F1 4/5; head 1: tp 1 fn 1 -> 2/3; head 2: fp 1, no support.
         // micro: tp 3, fp 1, fn 2 -> 6 / 9.
         assert!(close(m.micro_f1, 6.0 / 9.0));
@@ -277,7 +393,7 @@ mod tests {
     fn r2_matches_hand_computed_values() {
         let truth = array![[1f32, 2.0, 5.0], [2.0, 2.0, 5.0], [3.0, 2.0, 5.0]];
         let pred = array![[1f32, 2.0, 5.0], [2.0, 3.0, 5.0], [4.0, 2.0, 5.0]];
-        let m = continuous_metrics(pred.view(), truth.view(), &[0.0, 1.0, 2.0], 3);
+        let m = continuous_metrics(pred.view(), truth.view(), &[0, 1, 2], &[0.0, 1.0, 2.0], 3);
         // head 0: ss_res 1, ss_tot 2 -> 0.5; heads 1, 2 constant (head 1 has ss_res 1).
         // micro: 1 - (1 + 1) / 2 = 0.
         assert!(close(m.r2_mean_per_head.unwrap(), 0.5));
@@ -287,5 +403,63 @@ mod tests {
         assert_eq!(m.per_head[0].head, 2);
         assert_eq!(m.per_head[0].r2, None);
         assert!(close(m.per_head[2].r2.unwrap(), 0.5));
+    }
+
+    #[test]
+    fn intervals_resample_prompts_whole() {
+        // Two prompts of identical rows: every resample pools the same counts, so the
+        // interval is the point itself.
+        let scores = array![[0.9f32, 0.2], [0.8, 0.7], [0.9, 0.2], [0.8, 0.7]];
+        let labels = array![[1f32, 0.0], [0.0, 1.0], [1.0, 0.0], [0.0, 1.0]];
+        let m = binary_metrics(
+            scores.view(),
+            labels.view(),
+            0.5,
+            &[4, 4, 9, 9],
+            &[0.0; 2],
+            2,
+        );
+        // tp 2, fp 1, fn 0 -> 4/5
+        assert!(close(m.micro_f1, 0.8));
+        assert_eq!(m.micro_f1_ci95, Some([0.8, 0.8]));
+        // Prompts that differ: the interval spans the all-one-prompt extremes at most.
+        let prompts = [0, 0, 1, 2];
+        let m = binary_metrics(scores.view(), labels.view(), 0.5, &prompts, &[0.0; 2], 2);
+        let [lo, hi] = m.micro_f1_ci95.unwrap();
+        assert!(
+            lo <= m.micro_f1 && m.micro_f1 <= hi && lo >= 0.0 && hi <= 1.0,
+            "{lo} {hi}"
+        );
+        assert!(lo < hi);
+    }
+
+    #[test]
+    fn pooled_prompt_sums_give_the_micro_r2() {
+        let truth = array![[1f32, 2.0], [2.0, 4.0], [3.0, 1.0], [5.0, 0.5], [4.0, 2.5]];
+        let pred = array![
+            [1.5f32, 2.0],
+            [2.0, 3.0],
+            [2.5, 1.5],
+            [4.0, 1.0],
+            [4.5, 2.0]
+        ];
+        let prompts = [7, 7, 3, 3, 5];
+        let m = continuous_metrics(pred.view(), truth.view(), &prompts, &[0.0; 2], 2);
+        let sums = r2_sums(pred.view(), truth.view(), &prompts);
+        assert_eq!(sums.iter().map(|s| s.rows).collect::<Vec<_>>(), [2, 2, 1]);
+        let all: Vec<&R2Sums> = sums.iter().collect();
+        assert!(close(r2_of(&all).unwrap(), m.r2_micro.unwrap()));
+        // one prompt drawn twice is the prompt's own R^2 (the totals scale together)
+        let twice = [&sums[0], &sums[0]];
+        let one = continuous_metrics(
+            pred.slice(ndarray::s![0..2, ..]),
+            truth.slice(ndarray::s![0..2, ..]),
+            &[7, 7],
+            &[0.0; 2],
+            2,
+        );
+        assert!(close(r2_of(&twice).unwrap(), one.r2_micro.unwrap()));
+        let [lo, hi] = m.r2_micro_ci95.unwrap();
+        assert!(lo <= hi && hi <= 1.0, "{lo} {hi}");
     }
 }

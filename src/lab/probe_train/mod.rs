@@ -96,7 +96,8 @@ mod tests {
         let (x, y) = train_rows(&t, &opts);
         let scores = probe.predict_batch(x.view()).unwrap();
         let threshold = probe.threshold().unwrap();
-        let m = binary_metrics(scores.view(), y.view(), threshold, &[0.0; 4], 2);
+        let rows: Vec<usize> = (0..y.nrows()).collect();
+        let m = binary_metrics(scores.view(), y.view(), threshold, &rows, &[0.0; 4], 2);
         assert_eq!(m.micro_f1, 1.0, "train F1 at threshold {threshold}");
         let card = probe.card();
         assert!(card.training.epochs_run == 150 && card.training.best_epoch > 0);
@@ -123,7 +124,8 @@ mod tests {
         let probe = train(&t, &opts, &mut |_| {}).unwrap();
         let (x, y) = train_rows(&t, &opts);
         let pred = probe.predict_batch(x.view()).unwrap();
-        let r2 = continuous_metrics(pred.view(), y.view(), &[0.0; 4], 2)
+        let rows: Vec<usize> = (0..y.nrows()).collect();
+        let r2 = continuous_metrics(pred.view(), y.view(), &rows, &[0.0; 4], 2)
             .r2_micro
             .unwrap();
         assert!(r2 > 0.95, "train R^2 {r2}");

@@ -166,6 +166,7 @@ pub fn train(
     let (x_train, y_train) = rows(&split.train);
     let (x_val, y_val) = rows(&split.val);
     let (x_test, y_test) = rows(&split.test);
+    let test_prompt: Vec<usize> = split.test.iter().map(|&i| trace.prompt[i]).collect();
     let (mean, std) = standardisation(&x_train);
     let (xs_train, xs_val, xs_test) = (
         standardise(&x_train, &mean, &std),
@@ -216,6 +217,7 @@ pub fn train(
                     scores.view(),
                     y_test.view(),
                     t,
+                    &test_prompt,
                     &train_mean,
                     n_heads,
                 ))
@@ -234,6 +236,7 @@ pub fn train(
                 Metrics::Continuous(continuous_metrics(
                     pred.view(),
                     y_test.view(),
+                    &test_prompt,
                     &train_mean,
                     n_heads,
                 ))
