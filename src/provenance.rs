@@ -74,6 +74,25 @@ impl Made {
         known(&self.numerics, &now.numerics) && known(&self.cpu, &now.cpu)
     }
 
+    /// `self` (a run continuing a folder whose file was made with `old`) with the note a
+    /// mixed folder needs: records made before the CPU was recorded keep saying so (the
+    /// run stamps its own CPU on the folder, which is theirs only if nothing says
+    /// otherwise); an earlier note is kept.
+    pub fn continuing(&self, old: &Made) -> Made {
+        let note = match (&old.note, old.cpu.is_empty()) {
+            (Some(n), _) => Some(n.clone()),
+            (None, true) => Some(format!(
+                "records made up to {} predate the recorded CPU",
+                old.date
+            )),
+            (None, false) => self.note.clone(),
+        };
+        Made {
+            note,
+            ..self.clone()
+        }
+    }
+
     /// What [`Made::resumable_by`] found different, for an error message: e.g.
     /// `numerics reference, not fast` or `CPU "Intel Xeon, avx2", not "AMD EPYC, avx2"`.
     pub fn mismatch(&self, now: &Made) -> String {
@@ -98,10 +117,9 @@ impl Made {
             "" => String::new(),
             c => format!(" ({c})"),
         };
-        let note = self
-            .note
-            .as_deref()
-            .map_or(String::new(), |n| format!(" Note: {n}."));
+        let note = self.note.as_deref().map_or(String::new(), |n| {
+            format!(" Note: {}.", n.trim_end_matches('.'))
+        });
         format!(
             "Made by headwise {}{commit} with `{}` numerics on {}{cpu}.{note}",
             self.headwise_version, self.numerics, self.date
@@ -319,6 +337,10 @@ mod tests {
             ..Made::now("fast")
         };
         assert!(unknown.resumable_by(&here) && unknown.mismatch(&here).is_empty());
+        // continuing a folder of unknown CPU says so; a known one adds nothing
+        let note = here.continuing(&unknown).note.unwrap();
+        assert!(note.contains("predate the recorded CPU"), "{note}");
+        assert_eq!(here.continuing(&here).note, None);
         assert!(here.markdown().ends_with(&format!(" ({}).", here.cpu)));
     }
 }

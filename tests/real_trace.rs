@@ -91,8 +91,33 @@ fn an_interrupted_trace_resumes_from_its_partial_file_and_refuses_another_runs()
     let (ok, err) = trace("whole", "4");
     assert!(ok, "{err}");
     assert!(!dir.join(".whole.partial.jsonl").exists());
+    let (whole, _) = Trace::load(&dir.join("whole.json")).unwrap();
+    // The prompts the CLI traces, and their tokens' hash as the partial file records it
+    // (FNV-1a over the prompt, a u32::MAX separator and the forced answer, written out
+    // here from its definition).
+    let lm = LoadedModel::load(&model, Numerics::Fast).unwrap();
+    let hay = Haystack::from_dir(&data.join("haystack/paul_graham")).unwrap();
+    let spec = TaskSpec {
+        kind: TaskKind::Niah,
+        lengths: vec![256],
+        depths: vec![0.5],
+        seeds: vec![0, 1],
+    };
+    let trials = tasks::generate(&spec, &Encoder::from_model(&lm), &hay).unwrap();
+    let fnv = |tokens: &[u32]| {
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for b in tokens
+            .iter()
+            .chain([&u32::MAX])
+            .flat_map(|t| t.to_le_bytes())
+        {
+            h = (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+        h
+    };
     // What an interrupted run leaves: the header, a finished prompt (made-up steps, so that
-    // reuse shows), a prompt of another grid and a line cut short.
+    // reuse shows), the same for the second prompt but recorded for other tokens (not to
+    // be reused), a prompt of another grid and a line cut short.
     let config = TraceConfig {
         label_kind: LabelKind::Binary,
         effective: Effective::default(),
@@ -106,20 +131,24 @@ fn an_interrupted_trace_resumes_from_its_partial_file_and_refuses_another_runs()
         "numerics": "fast",
         "cpu": headwise::provenance::cpu(),
     });
-    let (n_heads, d_model) = (30 * 9, 576);
     let made_up = ExampleSteps {
-        features: vec![vec![0.5; d_model]],
-        labels: vec![vec![1.0; n_heads]],
+        features: vec![vec![0.5; whole.features.ncols()]],
+        labels: vec![vec![1.0; whole.labels.ncols()]],
         tokens: vec![7],
     };
-    let line = |prompt: &str| serde_json::json!({"id": prompt, "steps": made_up}).to_string();
+    let line = |prompt: &str, tokens: u64| {
+        serde_json::json!({"id": prompt, "tokens": tokens, "steps": made_up}).to_string()
+    };
+    let ids: Vec<String> = trials.iter().map(|t| t.id.clone()).collect();
+    assert_eq!(ids, ["niah-L256-D50-s0", "niah-L256-D50-s1"]);
     let partial = dir.join(".cut.partial.jsonl");
     std::fs::write(
         &partial,
         format!(
-            "{header}\n{}\n{}\n{{\"id\": \"niah-L2",
-            line("niah-L256-D50-s0"),
-            line("niah-L512-D50-s9")
+            "{header}\n{}\n{}\n{}\n{{\"id\": \"niah-L2",
+            line(&ids[0], fnv(&Example::from_trial(&trials[0]).prompt)),
+            line(&ids[1], 12345),
+            line("niah-L512-D50-s9", 0)
         ),
     )
     .unwrap();
@@ -130,11 +159,11 @@ fn an_interrupted_trace_resumes_from_its_partial_file_and_refuses_another_runs()
     assert!(!dir.join("cut.json").exists());
     let (ok, err) = trace("cut", "4");
     assert!(ok, "{err}");
-    assert!(err.contains("resuming: 2 prompts already traced"), "{err}");
-    let (whole, _) = Trace::load(&dir.join("whole.json")).unwrap();
+    assert!(err.contains("resuming: 3 prompts already traced"), "{err}");
     let (cut, card) = Trace::load(&dir.join("cut.json")).unwrap();
     assert_eq!(card.prompts, 2);
-    // Prompt 0 is the stored one; prompt 1 was traced now, as in the uninterrupted run.
+    // Prompt 0 is the stored one; prompt 1 (stored for other tokens) was traced again, as
+    // in the uninterrupted run.
     let rows = |t: &Trace, p: usize| -> Vec<usize> {
         (0..t.len()).filter(|&i| t.prompt[i] == p).collect()
     };

@@ -299,8 +299,10 @@ pub fn run_ablation(args: DynamicAblationArgs) -> anyhow::Result<()> {
 /// Outcomes already in `partial` for the same model, static set, mode, length and
 /// numerics; a file of another run is an error.
 fn read_partial(partial: &Path, header: &serde_json::Value) -> anyhow::Result<Vec<PromptOutcome>> {
-    let Ok(text) = std::fs::read_to_string(partial) else {
-        return Ok(Vec::new());
+    let text = match std::fs::read_to_string(partial) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => anyhow::bail!("{}: {e}", partial.display()),
     };
     let mut lines = text.lines();
     let found: serde_json::Value = lines
@@ -309,7 +311,14 @@ fn read_partial(partial: &Path, header: &serde_json::Value) -> anyhow::Result<Ve
         .transpose()
         .map_err(|e| anyhow::anyhow!("{}: unreadable header ({e})", partial.display()))?
         .unwrap_or(serde_json::Value::Null);
-    if found != *header {
+    // a file written before the CPU was recorded is compared without it
+    let mut expected = header.clone();
+    if found.get("cpu").is_none() {
+        if let Some(fields) = expected.as_object_mut() {
+            fields.remove("cpu");
+        }
+    }
+    if found != expected {
         anyhow::bail!(
             "{} holds prompts of a different run (model, static set, --mode, --max-new, numerics or CPU: made on {}); remove it to start over",
             partial.display(),

@@ -175,9 +175,10 @@ pub fn run(args: TraceArgs) -> anyhow::Result<()> {
     // Rewrite the file whole (a line cut by an interruption goes), keeping the prompts of
     // other grids too, then append each new prompt as it is done.
     let mut text = serde_json::to_string(&header)? + "\n";
-    for (id, steps) in &done {
+    for (id, (tokens, steps)) in &done {
         let line = PartialPrompt {
             id: id.clone(),
+            tokens: *tokens,
             steps: steps.clone(),
         };
         text += &(serde_json::to_string(&line)? + "\n");
@@ -193,17 +194,20 @@ pub fn run(args: TraceArgs) -> anyhow::Result<()> {
     let none = Interventions::new();
     for (i, ex) in examples.iter().enumerate() {
         bar.set_message(ex.id.clone());
+        let gold = if cfg.teacher {
+            Some(enc.encode(&format!(" {}", ex.answers[0]))?)
+        } else {
+            None
+        };
+        let tokens = tokens_hash(&ex.prompt, gold.as_deref());
         let steps = match done.remove(&ex.id) {
-            Some(steps) => steps,
-            None => {
-                let gold = if cfg.teacher {
-                    Some(enc.encode(&format!(" {}", ex.answers[0]))?)
-                } else {
-                    None
-                };
+            Some((stored, steps)) if stored == tokens => steps,
+            // not stored, or stored for other tokens (the later line wins on resume)
+            _ => {
                 let steps = record(&lm, ex, &cfg, gold.as_deref(), &mut |_| none.clone())?;
                 let line = PartialPrompt {
                     id: ex.id.clone(),
+                    tokens,
                     steps,
                 };
                 log.write_all((serde_json::to_string(&line)? + "\n").as_bytes())?;
@@ -254,9 +258,9 @@ pub fn run(args: TraceArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The first line of a trace's partial file: the run its prompts belong to. A prompt's
-/// id fixes its text (NIAH: length, depth and seed; HotpotQA: the question), so prompts
-/// under the same header are interchangeable between grids.
+/// The first line of a trace's partial file: the run its prompts belong to. Under the
+/// same header a prompt's line is reused by any grid that holds the same id and tokens
+/// ([`PartialPrompt::tokens`]).
 #[derive(Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 struct PartialHeader {
     model_sha256: String,
@@ -271,14 +275,36 @@ struct PartialHeader {
 #[derive(serde::Serialize, serde::Deserialize)]
 struct PartialPrompt {
     id: String,
+    /// [`tokens_hash`] of the prompt and the forced answer: an id does not fix every
+    /// detail of the text (a depth is named in whole percent, the haystack by its folder),
+    /// so a line is reused only for the same tokens.
+    tokens: u64,
     steps: ExampleSteps,
+}
+
+/// FNV-1a (64-bit) over `prompt` then `forced`, as little-endian bytes: fixed forever, so
+/// partial files written by one build are read by the next.
+fn tokens_hash(prompt: &[u32], forced: Option<&[u32]>) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let parts = [prompt, &[u32::MAX], forced.unwrap_or(&[])];
+    for t in parts.into_iter().flatten() {
+        for b in t.to_le_bytes() {
+            h = (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    h
 }
 
 /// The prompts already in `partial` for the same run, by id; a file of another run is an
 /// error, and a line cut by an interruption is dropped (its prompt is traced again).
-fn resume(partial: &Path, header: &PartialHeader) -> anyhow::Result<HashMap<String, ExampleSteps>> {
-    let Ok(text) = std::fs::read_to_string(partial) else {
-        return Ok(HashMap::new());
+fn resume(
+    partial: &Path,
+    header: &PartialHeader,
+) -> anyhow::Result<HashMap<String, (u64, ExampleSteps)>> {
+    let text = match std::fs::read_to_string(partial) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(HashMap::new()),
+        Err(e) => anyhow::bail!("{}: {e}", partial.display()),
     };
     let mut lines = text.lines();
     let Some(first) = lines.next() else {
@@ -293,9 +319,9 @@ fn resume(partial: &Path, header: &PartialHeader) -> anyhow::Result<HashMap<Stri
             found.cpu
         );
     }
-    let done: HashMap<String, ExampleSteps> = lines
+    let done: HashMap<String, (u64, ExampleSteps)> = lines
         .filter_map(|l| serde_json::from_str::<PartialPrompt>(l).ok())
-        .map(|p| (p.id, p.steps))
+        .map(|p| (p.id, (p.tokens, p.steps)))
         .collect();
     if !done.is_empty() {
         eprintln!(

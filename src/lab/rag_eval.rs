@@ -785,8 +785,8 @@ fn folds_note(spec: &RagSpec) -> String {
 
 /// Write `summary.json` and `README.md` of a run folder from its records, in the
 /// spec's variant order; `made` is the provenance of the run (its command the one that
-/// generates the records), with the CPU of the folder's `run.json` when it has one (the
-/// report may be written on another machine than the answers).
+/// generates the records), with the numerics and CPU of the folder's `run.json` when it
+/// has one (the report may be written on another machine, or without `--numerics`).
 pub fn write_report(
     dir: &Path,
     spec: &RagSpec,
@@ -795,10 +795,14 @@ pub fn write_report(
 ) -> Result<Vec<ResultRecord>> {
     let run_json = dir.join("run.json");
     let made = &match run_json.exists() {
-        true => Made {
-            cpu: read_versioned::<RagRun>(&run_json)?.made.cpu,
-            ..made.clone()
-        },
+        true => {
+            let run = read_versioned::<RagRun>(&run_json)?.made;
+            Made {
+                numerics: run.numerics,
+                cpu: run.cpu,
+                ..made.clone()
+            }
+        }
         false => made.clone(),
     };
     let records: Vec<RagRecord> = read_jsonl(&dir.join("records.jsonl"))?;

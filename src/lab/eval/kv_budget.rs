@@ -309,7 +309,7 @@ pub fn run(
                 .map_err(|e| Error::invalid("policy", format!("`{}`: {e}", p.name)))
         })
         .collect::<Result<_>>()?;
-    let info = BudgetRun {
+    let mut info = BudgetRun {
         schema_version: BUDGET_SCHEMA_VERSION,
         spec: spec.clone(),
         model: id.name.clone(),
@@ -339,6 +339,7 @@ pub fn run(
                 ),
             ));
         }
+        info.made = info.made.continuing(&old.made);
     }
     let enc = Encoder::from_model(lm);
     let data_dir = spec.data_dir();

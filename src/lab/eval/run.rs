@@ -301,7 +301,7 @@ impl<'a> Runner<'a> {
             n_heads: cfg.n_heads,
             made: opts.made.clone(),
         };
-        check_run_info(&opts.out_dir, &info)?;
+        let info = check_run_info(&opts.out_dir, info)?;
         let mut warnings = Vec::new();
 
         // Selections: rankings must be of this model.
@@ -575,8 +575,8 @@ impl<'a> Runner<'a> {
     }
 }
 
-/// Compute (or reuse from `<out_dir>/calibration.json`, when of the same prompts and
-/// numerics) the calibration means.
+/// Compute (or reuse from `<out_dir>/calibration.json`, when of the same prompts,
+/// numerics and CPU) the calibration means.
 fn calibration(
     lm: &LoadedModel,
     id: &ModelId,
@@ -599,11 +599,12 @@ fn calibration(
     Ok(c)
 }
 
-/// Refuse to mix runs of different specs (or models) in one folder.
-fn check_run_info(dir: &Path, info: &RunInfo) -> Result<()> {
+/// Refuse to mix runs of different specs, models, numerics or CPUs in one folder;
+/// returns `info` with the note a folder of records older than the recorded CPU needs.
+fn check_run_info(dir: &Path, info: RunInfo) -> Result<RunInfo> {
     let path = dir.join("run.json");
     if !path.exists() {
-        return Ok(());
+        return Ok(info);
     }
     let old: RunInfo = read_json(&path)?;
     if old.model_sha256 != info.model_sha256 || old.spec != info.spec {
@@ -628,7 +629,8 @@ fn check_run_info(dir: &Path, info: &RunInfo) -> Result<()> {
             ),
         ));
     }
-    Ok(())
+    let made = info.made.continuing(&old.made);
+    Ok(RunInfo { made, ..info })
 }
 
 /// Read a JSON file into `T`, naming the file on error.

@@ -139,7 +139,7 @@ impl Observer for StepObserver {
 
 /// The steps of one example: features `(steps, d_model)` and labels `(steps, n_layers *
 /// n_heads)` as rows, with the generated tokens.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct ExampleSteps {
     pub features: Vec<Vec<f32>>,
     pub labels: Vec<Vec<f32>>,

@@ -134,6 +134,7 @@ pub fn binary_metrics(
     train_frequency: &[f64],
     n_heads: usize,
 ) -> BinaryMetrics {
+    debug_assert_eq!(prompt.len(), labels.nrows(), "one prompt per row");
     let heads = labels.ncols();
     let mut counts = vec![(0usize, 0usize, 0usize); heads]; // (tp, fp, fn) per head
     let mut row_counts = Vec::with_capacity(labels.nrows()); // (tp, fp, fn) per row
@@ -218,6 +219,7 @@ pub fn continuous_metrics(
     train_mean: &[f64],
     n_heads: usize,
 ) -> ContinuousMetrics {
+    debug_assert_eq!(prompt.len(), truth.nrows(), "one prompt per row");
     let rows = truth.nrows();
     let col_mean = truth
         .mapv(f64::from)
