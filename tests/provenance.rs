@@ -48,9 +48,11 @@ fn load_typed(path: &Path) -> headwise::Result<()> {
         read_json::<Calibration>(path).map(drop)
     } else if name == "run.json" && parent.join("records.jsonl").exists() {
         let raw: serde_json::Value = read_json(path)?;
-        match raw.get("candidate_kv_heads") {
-            Some(_) => read_json::<BudgetRun>(path).map(drop),
-            None => read_json::<RunInfo>(path).map(drop),
+        match (raw.get("candidate_kv_heads"), raw.get("spec")) {
+            (Some(_), _) => read_json::<BudgetRun>(path).map(drop),
+            // `eval rag` folders: the model, numerics and CPU of their answers, no spec
+            (None, None) => read_json::<headwise::lab::rag_eval::RagRun>(path).map(drop),
+            (None, Some(_)) => read_json::<RunInfo>(path).map(drop),
         }
     } else {
         Ok(())
