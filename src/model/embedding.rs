@@ -1,4 +1,4 @@
-//! The token embedding table: f32 rows, or in [`Numerics::Fast`] the file's Q4_1 or Q8_0
+//! The token embedding table: f32 rows, or in [`Numerics::Fast`] the file's Q4_1, Q5_0 or Q8_0
 //! blocks dequantized one looked-up row at a time (and shared with a tied LM head), so
 //! the table never exists in f32. A row's dequantized values are the ones the whole f32
 //! table would hold.
@@ -26,7 +26,7 @@ pub enum Embedding {
 
 impl Embedding {
     /// Read the table `name` `(vocab, d_model)` from `src`: in [`Numerics::Fast`] the
-    /// file's Q4_1 or Q8_0 bytes as they are (no `QTensor` is built, so the table is never
+    /// file's Q4_1, Q5_0 or Q8_0 bytes as they are (no `QTensor` is built, so the table is never
     /// held twice), other types requantized to Q8_0 where the width allows; f32 otherwise.
     /// Returns the tensor too when the table is f32 (a tied LM head is built from it).
     pub fn load(
@@ -45,6 +45,7 @@ impl Embedding {
         if numerics == Numerics::Fast {
             let format = match raw.dtype {
                 GgmlDType::Q4_1 => Some(Format::Q4_1),
+                GgmlDType::Q5_0 => Some(Format::Q5_0),
                 GgmlDType::Q8_0 => Some(Format::Q8_0),
                 _ => None,
             };
@@ -140,6 +141,7 @@ mod tests {
             GgmlDType::Q4_1,
             GgmlDType::Q8_0,
             GgmlDType::Q5_0,
+            GgmlDType::Q5_1,
             GgmlDType::F32,
         ] {
             let (fast, tensor) = load(dtype, Numerics::Fast);
@@ -154,7 +156,7 @@ mod tests {
             let ids = [9, 0, 3, 3];
             let a: Vec<Vec<f32>> = fast.lookup(&ids).unwrap().to_vec2().unwrap();
             let b: Vec<Vec<f32>> = dense.lookup(&ids).unwrap().to_vec2().unwrap();
-            if dtype == GgmlDType::Q5_0 {
+            if dtype == GgmlDType::Q5_1 {
                 // requantized to Q8_0: within half an 8-bit step of each block's largest |w|
                 for (ra, rb) in a.iter().zip(&b) {
                     assert!(

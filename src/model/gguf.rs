@@ -72,6 +72,16 @@ impl GgufFile {
         &self.content
     }
 
+    /// Drop the `tokenizer.ggml.*` metadata (vocabulary, scores, token types, merges)
+    /// once the tokenizer is built from it: for a large vocabulary it is most of the
+    /// header (Gemma 3's 262,144 tokens: about 33 MiB), and it would otherwise stay
+    /// resident while the weights load.
+    pub fn release_tokenizer_metadata(&mut self) {
+        self.content
+            .metadata
+            .retain(|key, _| !key.starts_with("tokenizer.ggml."));
+    }
+
     /// The file's path.
     pub fn path(&self) -> &Path {
         &self.path

@@ -4,8 +4,8 @@
 //!   `QMatMul`, exactly the path mistral.rs takes (activations are quantized to the
 //!   weight type's dot-product partner, e.g. Q8_1 for Q4_1): the parity mode.
 //! * [`Numerics::Fast`] keeps one copy of each weight, in blocks
-//!   ([`BlockMatrix`](crate::model::kernels::BlockMatrix): Q4_1 and Q8_0 as the file
-//!   stores them, other types requantized to Q8_0), multiplied by 8-bit integer kernels
+//!   ([`BlockMatrix`](crate::model::kernels::BlockMatrix): Q4_1, Q5_0 and Q8_0 as the
+//!   file stores them, other types requantized to Q8_0), multiplied by 8-bit integer kernels
 //!   for a few rows (decode) and through dequantized cache-sized tiles and `gemm` for
 //!   many (prefill); no f32 copy of a weight is kept.
 
@@ -30,7 +30,7 @@ pub enum Numerics {
     /// [`crate::model::ggml_quant`]): quantized matmuls on the weights' own codes in
     /// ggml's order, its norms, RoPE, GELU table and plain f32 attention.
     Ggml,
-    /// One copy of each weight in Q4_1 or Q8_0 blocks: 8-bit integer kernels for a few
+    /// One copy of each weight in Q4_1, Q5_0 or Q8_0 blocks: 8-bit integer kernels for a few
     /// rows, dequantized tiles and `gemm` for many.
     #[default]
     Fast,
@@ -69,7 +69,7 @@ enum RowPath {
     /// (`QMatMul::Tensor`: [`Numerics::Fast`] for weights that are f32 in the file or
     /// whose width is not whole blocks).
     Candle(QMatMul),
-    /// [`Numerics::Fast`]: the weight in Q4_1 or Q8_0 blocks, for any number of rows
+    /// [`Numerics::Fast`]: the weight in Q4_1, Q5_0 or Q8_0 blocks, for any number of rows
     /// (shared with the token embedding when the LM head is tied to it).
     Blocks(Arc<BlockMatrix>),
     /// [`Numerics::Ggml`], for any number of rows: ggml's own quantized product, and the
@@ -93,8 +93,8 @@ fn requantized_q8_0(weight: &QTensor) -> Result<Option<BlockMatrix>> {
     ))
 }
 
-/// The [`Numerics::Fast`] blocks of a 2-D weight `(out, in)`: Q4_1 and Q8_0 as the file
-/// stores them, any other type requantized to Q8_0; `None` if the width is not whole
+/// The [`Numerics::Fast`] blocks of a 2-D weight `(out, in)`: Q4_1, Q5_0 and Q8_0 as the
+/// file stores them, any other type requantized to Q8_0; `None` if the width is not whole
 /// blocks or the weight is f32 in the file (kept exact).
 pub(crate) fn fast_blocks(weight: &QTensor) -> Result<Option<BlockMatrix>> {
     let (out, inp) = weight.shape().dims2()?;
@@ -109,6 +109,7 @@ pub(crate) fn fast_blocks(weight: &QTensor) -> Result<Option<BlockMatrix>> {
     match weight.dtype() {
         GgmlDType::F32 => Ok(None),
         GgmlDType::Q4_1 => file(Format::Q4_1),
+        GgmlDType::Q5_0 => file(Format::Q5_0),
         GgmlDType::Q8_0 => file(Format::Q8_0),
         _ => requantized_q8_0(weight),
     }
@@ -293,8 +294,9 @@ impl Projections {
                     .iter()
                     .map(fast_blocks)
                     .collect::<Result<Option<Vec<BlockMatrix>>>>()?;
-                // One format for all parts: Q4_1 only if every part is Q4_1, else Q8_0
-                // (a Q8_0 part requantized to Q8_0 keeps its codes).
+                // One format for all parts: their own if they share it, else Q8_0 (Q5_0
+                // parts converted exactly, or, beside Q4_1, every part requantized; a Q8_0
+                // part requantized to Q8_0 keeps its codes).
                 let blocks = match blocks {
                     Some(b) => match BlockMatrix::stack(b) {
                         Some(m) => Some(m),

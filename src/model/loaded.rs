@@ -32,6 +32,7 @@ impl LoadedModel {
         let cfg = Config::from_gguf(file.content())?;
         let (tokenizer, special) = tokenizer_from_gguf(file.content())?;
         let chat_template = ChatTemplate::from_gguf(file.content())?;
+        file.release_tokenizer_metadata();
         let model = Model::from_source(cfg, &mut file, numerics)?;
         Ok(Self {
             model,

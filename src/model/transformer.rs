@@ -136,6 +136,7 @@ impl Model {
     pub fn load(path: &Path, numerics: Numerics) -> Result<Self> {
         let mut file = GgufFile::open(path)?;
         let cfg = Config::from_gguf(file.content())?;
+        file.release_tokenizer_metadata();
         Self::from_source(cfg, &mut file, numerics)
     }
 
@@ -214,12 +215,7 @@ impl Model {
                         Numerics::Ggml => Rope::ggml,
                         Numerics::Reference | Numerics::Fast => Rope::new,
                     };
-                    ropes.push(new(
-                        spec.rope_base,
-                        dh,
-                        cfg.context_length,
-                        spec.rope_style,
-                    )?)
+                    ropes.push(new(spec.rope_base, dh, cfg.context_length, spec.rope_style))
                 }
             }
         }

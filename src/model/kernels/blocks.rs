@@ -3,6 +3,9 @@
 //!
 //! * Q4_1, 20 bytes per 32 weights: f16 `d`, f16 `m`, 16 bytes whose low nibbles hold
 //!   elements `0..16` and high nibbles `16..32`; `w = d * q + m`, `q` in `0..16`.
+//! * Q5_0, 22 bytes per 32 weights: f16 `d`, a little-endian u32 whose bit `j` is the
+//!   fifth bit of element `j`, then 16 bytes of low nibbles laid out as Q4_1's;
+//!   `w = d * (q - 16)`, `q` in `0..32`.
 //! * Q8_0, 34 bytes per 32 weights: f16 `d`, 32 signed bytes; `w = d * q`.
 //!
 //! An activation row is quantized per block of 32 to signed bytes in `[-127, 127]` with an
@@ -19,22 +22,28 @@ pub const QK: usize = 32;
 pub enum Format {
     /// GGUF Q4_1.
     Q4_1,
+    /// GGUF Q5_0.
+    Q5_0,
     /// GGUF Q8_0.
     Q8_0,
 }
 
 impl Format {
+    /// Every layout.
+    pub const ALL: [Format; 3] = [Format::Q4_1, Format::Q5_0, Format::Q8_0];
+
     /// Bytes of one block.
     pub const fn block_bytes(self) -> usize {
         match self {
             Format::Q4_1 => 20,
+            Format::Q5_0 => 22,
             Format::Q8_0 => 34,
         }
     }
 
     /// Dequantize whole blocks `blocks` into `out` (`QK` floats per block), with the
-    /// arithmetic of ggml's `dequantize_row_*` (`q * d + m`, `q * d`): the values candle's
-    /// `QTensor::dequantize` gives.
+    /// arithmetic of ggml's `dequantize_row_*` (`q * d + m`, `(q - 16) * d`, `q * d`): the
+    /// values candle's `QTensor::dequantize` gives.
     pub fn dequantize(self, blocks: &[u8], out: &mut [f32]) {
         for (blk, o) in blocks
             .chunks_exact(self.block_bytes())
@@ -49,6 +58,11 @@ impl Format {
                         o[j + QK / 2] = (q >> 4) as f32 * d + m;
                     }
                 }
+                Format::Q5_0 => {
+                    for (o, q) in o.iter_mut().zip(q5_0_codes(blk)) {
+                        *o = q as f32 * d;
+                    }
+                }
                 Format::Q8_0 => {
                     for (o, &q) in o.iter_mut().zip(&blk[2..]) {
                         *o = q as i8 as f32 * d;
@@ -57,6 +71,27 @@ impl Format {
             }
         }
     }
+}
+
+/// The 32 signed codes `q - 16` (in `-16..16`) of one Q5_0 block.
+pub(super) fn q5_0_codes(blk: &[u8]) -> [i8; QK] {
+    let high = u32::from_le_bytes([blk[2], blk[3], blk[4], blk[5]]);
+    std::array::from_fn(|j| {
+        let byte = blk[6 + j % (QK / 2)];
+        let low = if j < QK / 2 { byte & 0x0F } else { byte >> 4 };
+        (low | (((high >> j) & 1) as u8) << 4) as i8 - 16
+    })
+}
+
+/// Q5_0 blocks as Q8_0 blocks of the same values: the same f16 `d`, and the codes `q - 16`
+/// as signed bytes (nothing is rounded).
+pub fn q5_0_to_q8_0(blocks: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(blocks.len() / 22 * 34);
+    for blk in blocks.chunks_exact(Format::Q5_0.block_bytes()) {
+        out.extend(&blk[..2]);
+        out.extend(q5_0_codes(blk).map(|q| q as u8));
+    }
+    out
 }
 
 /// `x` (length a multiple of [`QK`]) as Q8_0 blocks, as ggml's `quantize_row_q8_0`
@@ -129,6 +164,25 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn q5_0_codes_follow_the_layout_and_convert_to_q8_0_exactly() {
+        // d = 0.5; element j's fifth bit set for j = 1 and j = 17 only; low nibble of
+        // element j is j % 16 (elements 16.. read the high nibbles).
+        let mut blk = half::f16::from_f32(0.5).to_le_bytes().to_vec();
+        blk.extend(((1u32 << 1) | (1u32 << 17)).to_le_bytes());
+        blk.extend((0..16u8).map(|j| j | (j << 4)));
+        let want: Vec<i8> = (0..32)
+            .map(|j| (j % 16) as i8 + if j % 16 == 1 { 16 } else { 0 } - 16)
+            .collect();
+        assert_eq!(q5_0_codes(&blk).to_vec(), want);
+        let mut values = vec![0f32; 32];
+        Format::Q5_0.dequantize(&blk, &mut values);
+        let mut again = vec![0f32; 32];
+        Format::Q8_0.dequantize(&q5_0_to_q8_0(&blk), &mut again);
+        assert_eq!(values, again);
+        assert_eq!((values[0], values[1], values[17]), (-8.0, 0.5, 0.5));
     }
 
     #[test]

@@ -15,12 +15,16 @@
 //!
 //! The x86 kernels multiply unsigned by signed bytes: Q4_1's nibbles are unsigned as they
 //! are; for Q8_0 each block is fed `|q_w|` and the activation with `q_w`'s sign moved onto
-//! it (same products). Every value stays in `[-127, 127]`, so `vpmaddubsw`'s 16-bit pair
-//! sums (at most `2 * 127 * 127`) cannot saturate.
+//! it (same products), and Q5_0's codes are first unpacked to the signed bytes `q - 16`
+//! and then treated as Q8_0's. Every value stays in `[-127, 127]`, so `vpmaddubsw`'s
+//! 16-bit pair sums (at most `2 * 127 * 127`) cannot saturate.
+//!
+//! Q5_0 has an AVX2 kernel only: the VNNI instruction sets run it too (every CPU with
+//! them has AVX2), since no machine here has tested a VNNI version of it.
 
 use half::f16;
 
-use super::blocks::{Activations, Format, QK};
+use super::blocks::{q5_0_codes, Activations, Format, QK};
 use super::isa::Isa;
 
 /// An [`Isa`] that this CPU was checked to run (else [`Isa::Portable`]).
@@ -52,12 +56,17 @@ pub(super) fn weight_row<const R: usize>(
     }
     match (isa.0, format) {
         (Isa::Portable, _) => std::array::from_fn(|r| portable(format, x[r], w)),
-        // SAFETY (all six): `Supported` checked that the CPU has the features the
-        // function enables, and the lengths were checked above.
+        // SAFETY (all seven): `Supported` checked that the CPU has the features the
+        // function enables (every `Isa` past `Portable` includes AVX2, FMA and F16C), and
+        // the lengths were checked above.
         #[cfg(target_arch = "x86_64")]
         (Isa::Avx2, Format::Q4_1) => unsafe { x86::q4_1_avx2(x, w) },
         #[cfg(target_arch = "x86_64")]
         (Isa::Avx2, Format::Q8_0) => unsafe { x86::q8_0_avx2(x, w) },
+        #[cfg(target_arch = "x86_64")]
+        (Isa::Avx2 | Isa::AvxVnni | Isa::Avx512Vnni, Format::Q5_0) => unsafe {
+            x86::q5_0_avx2(x, w)
+        },
         #[cfg(target_arch = "x86_64")]
         (Isa::AvxVnni, Format::Q4_1) => unsafe { x86::q4_1_avxvnni(x, w) },
         #[cfg(target_arch = "x86_64")]
@@ -87,6 +96,11 @@ fn portable(format: Format, x: &Activations, w: &[u8]) -> f32 {
                     q[j + QK / 2] = (byte >> 4) as i32;
                 }
                 offset += f16::from_le_bytes([blk[2], blk[3]]).to_f32() * dx_sum;
+            }
+            Format::Q5_0 => {
+                for (o, c) in q.iter_mut().zip(q5_0_codes(blk)) {
+                    *o = c as i32;
+                }
             }
             Format::Q8_0 => {
                 for (o, &byte) in q.iter_mut().zip(&blk[2..2 + QK]) {
@@ -208,6 +222,62 @@ mod x86 {
     }
 
     kernels!(q4_1_avx2, q8_0_avx2, "avx2,fma,f16c", dot_avx2);
+
+    /// Byte `i` is all ones where bit `i` of `bits` is set, else zero.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn bit_bytes(bits: u32) -> __m256i {
+        // Byte i takes byte i / 8 of `bits` (each 128-bit half indexes its own copy)...
+        let spread = _mm256_shuffle_epi8(
+            _mm256_set1_epi32(bits as i32),
+            _mm256_set_epi64x(
+                0x0303_0303_0303_0303,
+                0x0202_0202_0202_0202,
+                0x0101_0101_0101_0101,
+                0,
+            ),
+        );
+        // ...and keeps bit i % 8 of it.
+        let select = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+        _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select)
+    }
+
+    /// Q5_0 row `w` against `R` activation rows: each block's codes unpacked to the signed
+    /// bytes `q - 16`, then multiplied as Q8_0's.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn q5_0_avx2<const R: usize>(x: [&Activations; R], w: &[u8]) -> [f32; R] {
+        let low = _mm_set1_epi8(0x0F);
+        let fifth = _mm256_set1_epi8(0x10);
+        let sixteen = _mm256_set1_epi8(16);
+        let mut acc = [[_mm256_setzero_ps(); 2]; R];
+        let nb = x[0].blocks();
+        for b in 0..nb {
+            let blk = w.as_ptr().add(b * 22);
+            let bits = (blk as *const u16).read_unaligned() as i32;
+            let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits)));
+            let high = (blk.add(2) as *const u32).read_unaligned();
+            let packed = _mm_loadu_si128(blk.add(6) as *const __m128i);
+            let lo = _mm_and_si128(packed, low);
+            let hi = _mm_and_si128(_mm_srli_epi16(packed, 4), low);
+            let codes = _mm256_or_si256(
+                _mm256_set_m128i(hi, lo),
+                _mm256_and_si256(bit_bytes(high), fifth),
+            );
+            let wv = _mm256_sub_epi8(codes, sixteen);
+            let wabs = _mm256_abs_epi8(wv);
+            for r in 0..R {
+                let xv = _mm256_loadu_si256(x[r].q.as_ptr().add(b * QK) as *const __m256i);
+                let dot = _mm256_cvtepi32_ps(dot_avx2(wabs, _mm256_sign_epi8(xv, wv)));
+                let scale = _mm256_set1_ps(d * x[r].scales[b][0]);
+                acc[r][b % 2] = _mm256_fmadd_ps(dot, scale, acc[r][b % 2]);
+            }
+        }
+        let mut out = [0f32; R];
+        for r in 0..R {
+            out[r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
+        }
+        out
+    }
     kernels!(
         q4_1_avxvnni,
         q8_0_avxvnni,

@@ -1,4 +1,4 @@
-//! [`BlockMatrix`]: a row-major `(rows, cols)` weight in Q4_1 or Q8_0 blocks and its
+//! [`BlockMatrix`]: a row-major `(rows, cols)` weight in Q4_1, Q5_0 or Q8_0 blocks and its
 //! product with rows of activations, `y_i = W x_i`.
 //!
 //! Fewer than [`TILED_MIN_ROWS`] activation rows (decode, small batches) go through the
@@ -15,7 +15,7 @@ use std::cell::RefCell;
 
 use rayon::prelude::*;
 
-use super::blocks::{quantize_q8_0, Activations, Format, QK};
+use super::blocks::{q5_0_to_q8_0, quantize_q8_0, Activations, Format, QK};
 use super::dot::{weight_row, Supported};
 use super::isa::Isa;
 
@@ -65,12 +65,35 @@ impl BlockMatrix {
         Self::from_blocks(Format::Q8_0, quantize_q8_0(data), rows, cols)
     }
 
-    /// Stack matrices of the same format and width row-wise; `None` if they differ.
+    /// The same values in Q8_0 blocks, if they fit them exactly (Q8_0 and Q5_0 do,
+    /// Q4_1's offsets do not).
+    pub fn into_q8_0(self) -> Option<Self> {
+        match self.format {
+            Format::Q8_0 => Some(self),
+            Format::Q5_0 => Self::from_blocks(
+                Format::Q8_0,
+                q5_0_to_q8_0(&self.blocks),
+                self.rows,
+                self.cols,
+            ),
+            Format::Q4_1 => None,
+        }
+    }
+
+    /// Stack matrices of the same width row-wise, in their common format, or in Q8_0 if
+    /// their formats differ and each converts to it exactly; `None` otherwise.
     pub fn stack(parts: Vec<BlockMatrix>) -> Option<Self> {
         let first = parts.first()?;
         let (format, cols) = (first.format, first.cols);
-        if parts.iter().any(|p| p.format != format || p.cols != cols) {
+        if parts.iter().any(|p| p.cols != cols) {
             return None;
+        }
+        if parts.iter().any(|p| p.format != format) {
+            let parts = parts
+                .into_iter()
+                .map(BlockMatrix::into_q8_0)
+                .collect::<Option<Vec<_>>>()?;
+            return Self::stack(parts);
         }
         let rows = parts.iter().map(|p| p.rows).sum();
         let blocks = parts.into_iter().flat_map(|p| p.blocks).collect();
@@ -317,7 +340,7 @@ mod tests {
 
     #[test]
     fn every_instruction_set_computes_the_portable_floats() {
-        for format in [Format::Q4_1, Format::Q8_0] {
+        for format in Format::ALL {
             // 3 and 18 blocks per row: odd and even counts for the two accumulators.
             for (rows, cols) in [(70, 96), (9, 576)] {
                 let m = random_blocks(format, rows, cols, 11 + cols as u32);
@@ -341,7 +364,7 @@ mod tests {
     fn a_row_gives_the_same_bits_in_any_batch() {
         // up to 33 rows: batches of 4 and a remainder, beyond the tiled threshold
         let (rows, cols, n) = (33, 64, 33);
-        for format in [Format::Q4_1, Format::Q8_0] {
+        for format in Format::ALL {
             let m = random_blocks(format, rows, cols, 3);
             let x = floats(n * cols, 9, 3.0);
             for isa in Isa::available() {
@@ -364,7 +387,7 @@ mod tests {
 
     #[test]
     fn quantized_products_are_close_to_the_exact_product() {
-        for format in [Format::Q4_1, Format::Q8_0] {
+        for format in Format::ALL {
             let (rows, cols) = (40, 128);
             let m = random_blocks(format, rows, cols, 21);
             let w = m.dequantize();
@@ -372,8 +395,8 @@ mod tests {
             let (want, _) = exact(&w, &x, rows, cols);
             let got = m.quantized_product(&x, 3, Isa::active());
             // Only the activations are rounded: at most half a step (max|x| / 254) per
-            // element, times |w| (below 16 here for Q4_1, 128 for Q8_0).
-            let bound = cols as f64 / 254.0 * if format == Format::Q4_1 { 16.0 } else { 128.0 };
+            // element, times |w| (below 16 here for Q4_1 and Q5_0, 128 for Q8_0).
+            let bound = cols as f64 / 254.0 * if format == Format::Q8_0 { 128.0 } else { 16.0 };
             for (i, (g, e)) in got.iter().zip(&want).enumerate() {
                 assert!(
                     (*g as f64 - e).abs() < bound * 0.2,
@@ -385,7 +408,7 @@ mod tests {
 
     #[test]
     fn tiled_products_match_the_exact_product() {
-        for format in [Format::Q4_1, Format::Q8_0] {
+        for format in Format::ALL {
             // 100 rows: tiles that do not divide them; 8 and 37 activation rows.
             let (rows, cols) = (100, 192);
             let m = random_blocks(format, rows, cols, 31);
@@ -415,6 +438,7 @@ mod tests {
         let t = Tensor::from_vec(data.clone(), (rows, cols), &Device::Cpu).unwrap();
         for (dtype, format) in [
             (GgmlDType::Q4_1, Format::Q4_1),
+            (GgmlDType::Q5_0, Format::Q5_0),
             (GgmlDType::Q8_0, Format::Q8_0),
         ] {
             let q = QTensor::quantize(&t, dtype).unwrap();
@@ -449,8 +473,17 @@ mod tests {
         assert!(BlockMatrix::from_blocks(Format::Q8_0, vec![0; 34], usize::MAX, 32).is_none());
         let a = random_blocks(Format::Q4_1, 2, 32, 1);
         let b = random_blocks(Format::Q8_0, 2, 32, 1);
-        assert!(BlockMatrix::stack(vec![a.clone(), b]).is_none());
+        assert!(BlockMatrix::stack(vec![a.clone(), b.clone()]).is_none());
         let s = BlockMatrix::stack(vec![a.clone(), a]).unwrap();
         assert_eq!((s.rows(), s.cols(), s.bytes()), (4, 32, 80));
+        // Q5_0 beside Q8_0 stacks as Q8_0, with every value kept.
+        let c = random_blocks(Format::Q5_0, 3, 64, 2);
+        let d = random_blocks(Format::Q8_0, 2, 64, 5);
+        let s = BlockMatrix::stack(vec![c.clone(), d.clone()]).unwrap();
+        assert_eq!((s.format(), s.rows(), s.bytes()), (Format::Q8_0, 5, 5 * 68));
+        let mut want = c.dequantize();
+        want.extend(d.dequantize());
+        assert_eq!(s.dequantize(), want);
+        assert!(BlockMatrix::stack(vec![b, c]).is_none(), "widths 32 and 64");
     }
 }

@@ -1,6 +1,6 @@
 //! The quantized matrix kernels of [`Numerics::Fast`](crate::model::Numerics::Fast):
 //! weights stay in GGUF's own 32-element blocks ([`Format::Q4_1`] as the file stores them,
-//! [`Format::Q8_0`] for the file's Q8_0 tensors and for every other type requantized), and
+//! [`Format::Q5_0`] and [`Format::Q8_0`] likewise, every other type requantized to Q8_0), and
 //! no f32 copy of a weight is kept.
 //!
 //! * [`isa`]: which instruction set runs, chosen at run time (`HEADWISE_ISA` caps it);
