@@ -247,8 +247,7 @@ mod x86 {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn q5_0_avx2<const R: usize>(x: [&Activations; R], w: &[u8]) -> [f32; R] {
         let low = _mm_set1_epi8(0x0F);
-        let fifth = _mm256_set1_epi8(0x10);
-        let sixteen = _mm256_set1_epi8(16);
+        let top = _mm256_set1_epi8(0xF0u8 as i8);
         let mut acc = [[_mm256_setzero_ps(); 2]; R];
         let nb = x[0].blocks();
         for b in 0..nb {
@@ -259,11 +258,12 @@ mod x86 {
             let packed = _mm_loadu_si128(blk.add(6) as *const __m128i);
             let lo = _mm_and_si128(packed, low);
             let hi = _mm_and_si128(_mm_srli_epi16(packed, 4), low);
-            let codes = _mm256_or_si256(
+            // `q - 16` is the nibble where the fifth bit is set, else the nibble with the
+            // high four bits set (the byte `nibble - 16`).
+            let wv = _mm256_or_si256(
                 _mm256_set_m128i(hi, lo),
-                _mm256_and_si256(bit_bytes(high), fifth),
+                _mm256_andnot_si256(bit_bytes(high), top),
             );
-            let wv = _mm256_sub_epi8(codes, sixteen);
             let wabs = _mm256_abs_epi8(wv);
             for r in 0..R {
                 let xv = _mm256_loadu_si256(x[r].q.as_ptr().add(b * QK) as *const __m256i);
