@@ -601,9 +601,9 @@ fn an_unknown_or_missing_instruction_set_is_refused_before_loading() {
     // A set this CPU lacks is refused by name (none is lacking on a CPU with AVX-512 VNNI
     // and AVX-VNNI, such as Sapphire Rapids).
     for isa in [
-        headwise::model::kernels::Isa::Avx512Vnni,
-        headwise::model::kernels::Isa::AvxVnni,
-        headwise::model::kernels::Isa::Avx2,
+        headwise::model::numerics::kernels::Isa::Avx512Vnni,
+        headwise::model::numerics::kernels::Isa::AvxVnni,
+        headwise::model::numerics::kernels::Isa::Avx2,
     ] {
         if !isa.supported() {
             let (code, err) = headwise(&args, &[("HEADWISE_ISA", isa.name())]);

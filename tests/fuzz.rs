@@ -33,7 +33,7 @@ use proptest::prelude::*;
 use proptest::test_runner::{Config as RunnerConfig, TestCaseError, TestRunner};
 use serde_json::{json, Value};
 
-use headwise::model::gguf::read_header;
+use headwise::model::file::gguf::read_header;
 use headwise::policy::ranking::Ranking;
 use headwise::policy::Policy;
 
@@ -391,9 +391,9 @@ fn meta_edit() -> impl Strategy<Value = MetaEdit> {
 
 /// Config, tokenizer and chat template from `content`; `true` when all are accepted.
 fn read_metadata(content: &Content) -> bool {
-    use headwise::model::chat::{ChatMessage, ChatTemplate};
+    use headwise::model::text::chat::{ChatMessage, ChatTemplate};
     let config = headwise::model::Config::from_gguf(content).is_ok();
-    let tokenizer = match headwise::model::tokenizer::tokenizer_from_gguf(content) {
+    let tokenizer = match headwise::model::text::tokenizer::tokenizer_from_gguf(content) {
         Ok((tok, _)) => tok.encode("hello world, héllo 世界", true).is_ok(),
         Err(_) => false,
     };

@@ -2,14 +2,14 @@
 //! greedy generation on each real model, forced onto each set with `HEADWISE_ISA`, gives
 //! the same text (prefill through dequantized tiles, decode through the integer kernels
 //! and the dispatched attention loops). Block-level bit-exactness against the portable
-//! loop is tested beside the kernels (`src/model/kernels/`).
+//! loop is tested beside the kernels (`src/model/numerics/kernels/`).
 
 mod common;
 
 use std::path::Path;
 use std::process::Command;
 
-use headwise::model::kernels::Isa;
+use headwise::model::numerics::kernels::Isa;
 
 /// A prompt of a few hundred tokens: two prefill chunks, both above the tiled threshold.
 fn long_prompt() -> String {

@@ -2,7 +2,8 @@
 //! points to its own layer or one below it, the top-level modules import each other
 //! without circles, the dependencies that belong to one layer stay there
 //! (`mistralrs-core` in `reference`, `clap` in the command line), and only
-//! `model::Session` runs the model's forward pass.
+//! `model::Session` runs the model's forward pass; inside `model`, the file, text and
+//! numerics parts import nothing above them.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -267,5 +268,42 @@ fn only_the_session_runs_the_forward_pass() {
         outside.is_empty(),
         "forward passes outside model::Session:\n{}",
         outside.join("\n")
+    );
+}
+
+/// Inside `model`, the parts below the forward pass: each may name (through
+/// `crate::model::`) only itself and the parts listed with it.
+const MODEL_FOUNDATIONS: &[(&str, &[&str])] =
+    &[("file", &[]), ("text", &[]), ("numerics", &["file"])];
+
+#[test]
+fn the_models_files_text_and_numerics_import_nothing_above_them() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/model");
+    let mut upward = Vec::new();
+    for &(part, below) in MODEL_FOUNDATIONS {
+        let mut files = Vec::new();
+        rust_files(&src.join(part), &mut files);
+        assert!(!files.is_empty(), "src/model/{part} has no files");
+        for path in files {
+            let code = code(&path);
+            for (i, _) in code.match_indices("crate::model::") {
+                let rest = &code[i + "crate::model::".len()..];
+                let names: Vec<String> = if rest.starts_with('{') {
+                    group_items(rest).into_iter().map(ident).collect()
+                } else {
+                    vec![ident(rest)]
+                };
+                for name in names {
+                    if name != part && !below.contains(&name.as_str()) {
+                        upward.push(format!("{}: crate::model::{name}", path.display()));
+                    }
+                }
+            }
+        }
+    }
+    assert!(
+        upward.is_empty(),
+        "model's file/text/numerics import above themselves:\n{}",
+        upward.join("\n")
     );
 }

@@ -5,8 +5,8 @@
 mod common;
 
 use common::real_gemma;
-use headwise::model::fetch::{ensure, Fetched, GEMMA3_270M};
-use headwise::model::ggml::Simd;
+use headwise::model::file::fetch::{ensure, Fetched, GEMMA3_270M};
+use headwise::model::numerics::ggml::Simd;
 use headwise::model::{
     generate, GenerateOptions, Interventions, KvCache, LoadedModel, Logits, NoObserver, Numerics,
 };

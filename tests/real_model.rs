@@ -2,7 +2,7 @@
 
 mod common;
 
-use headwise::model::fetch::{ensure, Fetched, SMOLLM2};
+use headwise::model::file::fetch::{ensure, Fetched, SMOLLM2};
 use headwise::model::{
     generate, GenerateOptions, Interventions, LoadedModel, NoObserver, Numerics,
 };

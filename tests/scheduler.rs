@@ -394,7 +394,7 @@ fn explained_tokens_are_the_same_in_a_batch_and_the_retrieval_heads_read_the_nee
     let notes = headwise::synthetic::synthetic_notes(60, Some(30));
     let question = "What is the secret number of the archive? Answer with the number.";
     let mut req = GenerateRequest::new(
-        Prompt::Chat(vec![headwise::model::chat::ChatMessage {
+        Prompt::Chat(vec![headwise::model::text::chat::ChatMessage {
             role: "user".into(),
             content: format!("{notes}\n{question}"),
         }]),

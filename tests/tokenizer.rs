@@ -5,8 +5,8 @@
 mod common;
 
 use candle_core::quantized::gguf_file::Content;
-use headwise::model::chat::{ChatMessage, ChatTemplate};
-use headwise::model::tokenizer::{tokenizer_from_gguf, SpecialTokens, COMPARISON_STRINGS};
+use headwise::model::text::chat::{ChatMessage, ChatTemplate};
+use headwise::model::text::tokenizer::{tokenizer_from_gguf, SpecialTokens, COMPARISON_STRINGS};
 use tokenizers::Tokenizer;
 
 /// The real model's GGUF metadata (the model fetched if missing).
@@ -287,7 +287,7 @@ fn chat_template_from_gguf_renders_chatml() {
 #[cfg(feature = "mistralrs")]
 #[test]
 fn mistralrs_tokenization_matches_except_documented_rule_differences() {
-    use headwise::model::tokenizer::MISTRALRS_DIFFERS;
+    use headwise::model::text::tokenizer::MISTRALRS_DIFFERS;
     use headwise::reference::mistralrs::MistralRsEngine;
 
     let path = common::real_model();

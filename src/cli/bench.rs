@@ -9,7 +9,7 @@ use clap::Args;
 use headwise::lab::bench::{
     peak_rss_bytes, speed_records, table, write_report, BenchRecord, StepBytes,
 };
-use headwise::model::kernels::Isa;
+use headwise::model::numerics::kernels::Isa;
 use headwise::model::{
     generate, Architecture, Config, GenerateOptions, GgufFile, Interventions, LoadedModel, ModelId,
     NoObserver, Numerics,
@@ -503,14 +503,15 @@ fn kernels(args: &BenchArgs) -> anyhow::Result<()> {
     let x: Vec<f32> = (0..256 * widest)
         .map(|i| ((i * 7919) % 61) as f32 / 30.0 - 1.0)
         .collect();
-    let pass = |rows: usize, f: &dyn Fn(&headwise::model::kernels::BlockMatrix, &[f32])| {
-        median_secs(7, || {
-            for m in &matrices {
-                f(m, &x[..rows * m.cols()]);
-            }
-            Ok(())
-        })
-    };
+    let pass =
+        |rows: usize, f: &dyn Fn(&headwise::model::numerics::kernels::BlockMatrix, &[f32])| {
+            median_secs(7, || {
+                for m in &matrices {
+                    f(m, &x[..rows * m.cols()]);
+                }
+                Ok(())
+            })
+        };
     // (path, rows, seconds per pass)
     let mut rows_measured: Vec<(String, usize, f64)> = Vec::new();
     for isa in Isa::available() {

@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 
 use clap::Args;
-use headwise::model::chat::ChatMessage;
+use headwise::model::text::chat::ChatMessage;
 use headwise::policy::{GenerateOutput, GenerateRequest, Policy, Prompt, Runtime};
 use headwise::synthetic::synthetic_notes;
 

@@ -4,7 +4,7 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use clap::{Args, ValueEnum};
-use headwise::model::chat::ChatMessage;
+use headwise::model::text::chat::ChatMessage;
 use headwise::model::{
     generate, GenerateOptions, Interventions, LoadedModel, NoObserver, Numerics, Sampling,
     TextStream,

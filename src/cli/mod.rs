@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 
 use clap::builder::TypedValueParser;
 use clap::{Args, Parser, Subcommand};
-use headwise::model::fetch::{self, DEFAULT_MODELS_DIR, SMOLLM2};
+use headwise::model::file::fetch::{self, DEFAULT_MODELS_DIR, SMOLLM2};
 use headwise::model::Numerics;
 pub use progress::progress;
 

@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use clap::Subcommand;
-use headwise::model::fetch::{self, Fetched, DEFAULT_MODELS_DIR};
+use headwise::model::file::fetch::{self, Fetched, DEFAULT_MODELS_DIR};
 use headwise::model::{Config, GgufFile};
 
 #[derive(Subcommand, Debug)]

@@ -5,9 +5,9 @@ use std::path::{Path, PathBuf};
 
 use tokenizers::Tokenizer;
 
-use crate::model::chat::{ChatMessage, ChatTemplate};
-use crate::model::gguf::GgufFile;
-use crate::model::tokenizer::{decode_ids, encode_ids, tokenizer_from_gguf, SpecialTokens};
+use crate::model::file::gguf::GgufFile;
+use crate::model::text::chat::{ChatMessage, ChatTemplate};
+use crate::model::text::tokenizer::{decode_ids, encode_ids, tokenizer_from_gguf, SpecialTokens};
 use crate::model::{Config, Model, Numerics};
 use crate::{Error, Result};
 

@@ -10,11 +10,11 @@ use candle_core::{Device, Tensor, D};
 
 use crate::model::attention;
 use crate::model::config::{Architecture, LayerSpec};
-use crate::model::embedding::Embedding;
-use crate::model::ggml;
-use crate::model::gguf::{GgufFile, TensorSource};
+use crate::model::file::gguf::{GgufFile, TensorSource};
 use crate::model::intervene::MaskSpan;
-use crate::model::linear::Projections;
+use crate::model::numerics::embedding::Embedding;
+use crate::model::numerics::ggml;
+use crate::model::numerics::linear::Projections;
 use crate::model::{Config, HeadCache, Interventions, KvCache, Linear, Numerics, Observer, Rope};
 use crate::{Error, Result};
 
@@ -148,7 +148,7 @@ impl Model {
     ) -> Result<Self> {
         cfg.validate()?;
         // A bad `HEADWISE_ISA` is an error here, before any kernel runs.
-        crate::model::kernels::Isa::from_env()?;
+        crate::model::numerics::kernels::Isa::from_env()?;
         let (d, dh) = (cfg.d_model, cfg.d_head);
         let (embed, embed_q) =
             Embedding::load(src, "token_embd.weight", (cfg.vocab_size, d), numerics)?;

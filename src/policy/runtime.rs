@@ -25,7 +25,7 @@ use candle_core::Tensor;
 
 use serde::{Deserialize, Serialize};
 
-use crate::model::chat::ChatMessage;
+use crate::model::text::chat::ChatMessage;
 use crate::model::{
     GenerateOptions, KvBytes, LoadedModel, ModelId, Numerics, Sampling, StopReason, TextStream,
 };

@@ -288,7 +288,7 @@ fn prompt_ids(
     }
     let user = prompt_text(item, passages, "");
     let user = user.strip_suffix("\nAnswer:").unwrap_or(&user);
-    let mut ids = lm.chat_prompt(&[crate::model::chat::ChatMessage {
+    let mut ids = lm.chat_prompt(&[crate::model::text::chat::ChatMessage {
         role: "user".into(),
         content: user.to_string(),
     }])?;

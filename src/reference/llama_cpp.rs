@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use crate::model::ggml::Simd;
+use crate::model::numerics::ggml::Simd;
 use crate::reference::GreedyTrace;
 use crate::wait;
 use crate::{Error, Result};

@@ -120,7 +120,7 @@ impl MistralRsEngine {
     pub fn load(gguf_path: &Path) -> Result<Self> {
         // headwise's own checked reader first: mistral.rs's would allocate from a corrupt
         // header's counts before noticing.
-        crate::model::gguf::GgufFile::open(gguf_path)?;
+        crate::model::file::gguf::GgufFile::open(gguf_path)?;
         let model_id = gguf_path
             .file_name()
             .map(|name| name.to_string_lossy().into_owned())

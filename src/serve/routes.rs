@@ -21,7 +21,7 @@ use subtle::ConstantTimeEq;
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use crate::http::BodyError;
-use crate::model::chat::ChatMessage;
+use crate::model::text::chat::ChatMessage;
 use crate::model::Sampling;
 use crate::policy::{ExplainConfig, GenerateRequest, Prompt, TokenExplain};
 use crate::serve::api::*;

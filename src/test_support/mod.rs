@@ -1,5 +1,5 @@
 //! Support for the library's unit tests: the real models, fetched with the same
-//! [`crate::model::fetch::ensure`] the integration tests and `headwise model fetch` use,
+//! [`crate::model::file::fetch::ensure`] the integration tests and `headwise model fetch` use,
 //! their tokenizers, and the evaluation data. A missing input is a `SKIPPED:` line, or a
 //! failure under `HEADWISE_REQUIRE_ALL=1` (see [`require`]).
 
@@ -11,8 +11,8 @@ use std::sync::OnceLock;
 use candle_core::quantized::gguf_file::Content;
 use tokenizers::Tokenizer;
 
-use crate::model::fetch::{self, KnownModel};
-use crate::model::tokenizer::{tokenizer_from_gguf, SpecialTokens};
+use crate::model::file::fetch::{self, KnownModel};
+use crate::model::text::tokenizer::{tokenizer_from_gguf, SpecialTokens};
 use crate::model::Config;
 
 pub(crate) use require::data;

@@ -10,7 +10,7 @@ use std::sync::OnceLock;
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
-use headwise::model::gguf::MemorySource;
+use headwise::model::file::gguf::MemorySource;
 use headwise::model::{Architecture, Config, Model, Numerics, SlidingWindow};
 
 #[path = "../../src/test_support/require.rs"]
@@ -26,7 +26,7 @@ pub fn real_model() -> PathBuf {
         if let Ok(p) = std::env::var("HEADWISE_MODEL") {
             return PathBuf::from(p);
         }
-        fetched(&headwise::model::fetch::SMOLLM2)
+        fetched(&headwise::model::file::fetch::SMOLLM2)
     })
     .clone()
 }
@@ -34,12 +34,12 @@ pub fn real_model() -> PathBuf {
 /// The Gemma-3-270M GGUF, fetched like [`real_model`].
 pub fn real_gemma() -> PathBuf {
     static PATH: OnceLock<PathBuf> = OnceLock::new();
-    PATH.get_or_init(|| fetched(&headwise::model::fetch::GEMMA3_270M))
+    PATH.get_or_init(|| fetched(&headwise::model::file::fetch::GEMMA3_270M))
         .clone()
 }
 
-fn fetched(model: &headwise::model::fetch::KnownModel) -> PathBuf {
-    headwise::model::fetch::ensure(&models_dir(), model)
+fn fetched(model: &headwise::model::file::fetch::KnownModel) -> PathBuf {
+    headwise::model::file::fetch::ensure(&models_dir(), model)
         .unwrap_or_else(|e| panic!("fetch {}: {e}", model.name))
         .path()
         .to_path_buf()

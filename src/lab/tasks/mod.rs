@@ -59,7 +59,7 @@ use tokenizers::Tokenizer;
 
 pub use haystack::{Haystack, HaystackTokens, Window};
 
-use crate::model::tokenizer::{decode_ids, encode_ids, SpecialTokens};
+use crate::model::text::tokenizer::{decode_ids, encode_ids, SpecialTokens};
 use crate::model::LoadedModel;
 use crate::{Error, Result};
 

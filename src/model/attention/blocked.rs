@@ -5,7 +5,7 @@
 use candle_core::{Device, Tensor};
 use rayon::prelude::*;
 
-use crate::model::fast_exp;
+use crate::model::numerics::fast_exp;
 use crate::Result;
 
 /// Query rows per block of [`blocked`].

@@ -4,7 +4,7 @@ use candle_core::Tensor;
 use rayon::prelude::*;
 
 use super::rows::{per_row, Shapes};
-use crate::model::ggml;
+use crate::model::numerics::ggml;
 use crate::Result;
 
 /// Attention as llama.cpp computes it without flash attention over an f32 KV cache

@@ -9,7 +9,7 @@
 //!   KV heads and parts of the keys, 16-lane dot products and a vectorised `exp`: a
 //!   matrix product with one row spends most of its time packing operands. Its loops
 //!   are compiled for AVX2 and AVX-512 besides the build's own target and chosen at run
-//!   time ([`Isa`](crate::model::kernels::Isa)), with the same floats on each; the prefill softmax of [`blocked`]
+//!   time ([`Isa`](crate::model::numerics::kernels::Isa)), with the same floats on each; the prefill softmax of [`blocked`]
 //!   is compiled for the build's target only;
 //! * [`streaming`]: a one-pass online softmax (Milakov and Gimelshein 2018, as in
 //!   FlashAttention) that visits key positions in order, one query row at a time, and
@@ -20,7 +20,7 @@
 //!   rounding flips into logit differences of ~0.1 (measured), which is why parity needs
 //!   the same order and not merely the same function.
 //! * [`ggml_plain`]: llama.cpp's plain attention over an f32 cache in ggml's arithmetic
-//!   order (scores, softmax and value sums of [`crate::model::ggml`]), for parity with
+//!   order (scores, softmax and value sums of [`crate::model::numerics::ggml`]), for parity with
 //!   llama.cpp.
 //!
 //! Shapes: queries `(n_heads, q, d_head)` contiguous; keys and values
@@ -49,8 +49,8 @@ mod tests {
 
     use super::single_query::{decode_rows_on, dot_lanes};
     use super::*;
-    use crate::model::ggml;
-    use crate::model::kernels::Isa;
+    use crate::model::numerics::ggml;
+    use crate::model::numerics::kernels::Isa;
 
     #[test]
     fn dot_kernels_agree_with_a_plain_sum() {

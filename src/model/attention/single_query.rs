@@ -8,8 +8,8 @@ use candle_core::{Device, Tensor};
 use rayon::prelude::*;
 
 use super::rows::{mask_values, with_data, Shapes};
-use crate::model::fast_exp;
-use crate::model::kernels::Isa;
+use crate::model::numerics::fast_exp;
+use crate::model::numerics::kernels::Isa;
 use crate::{Error, Result};
 
 /// Run `f`, a closure over `#[inline(always)]` functions of plain loops, compiled for the

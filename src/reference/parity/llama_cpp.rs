@@ -13,7 +13,7 @@
 
 use std::path::Path;
 
-use crate::model::ggml::Simd;
+use crate::model::numerics::ggml::Simd;
 use crate::model::{LoadedModel, Numerics};
 use crate::reference::llama_cpp::{Attention, LlamaCppBins, LlamaServer};
 use crate::reference::parity::{divergence, greedy_trace, prompts, Divergence, GREEDY_TOKENS};

@@ -4,7 +4,7 @@
 //!   `QMatMul`, exactly the path mistral.rs takes (activations are quantized to the
 //!   weight type's dot-product partner, e.g. Q8_1 for Q4_1): the parity mode.
 //! * [`Numerics::Fast`] keeps one copy of each weight, in blocks
-//!   ([`BlockMatrix`](crate::model::kernels::BlockMatrix): Q4_1, Q5_0 and Q8_0 as the
+//!   ([`BlockMatrix`](crate::model::numerics::kernels::BlockMatrix): Q4_1, Q5_0 and Q8_0 as the
 //!   file stores them, other types requantized to Q8_0), multiplied by 8-bit integer kernels
 //!   for a few rows (decode) and through dequantized cache-sized tiles and `gemm` for
 //!   many (prefill); no f32 copy of a weight is kept.
@@ -14,9 +14,9 @@ use candle_core::{Device, Module, Tensor};
 
 use std::sync::Arc;
 
-use crate::model::ggml::InputGrid;
-use crate::model::ggml_quant::QuantMatrix;
-use crate::model::kernels::{BlockMatrix, Format, Isa};
+use crate::model::numerics::ggml::InputGrid;
+use crate::model::numerics::ggml_quant::QuantMatrix;
+use crate::model::numerics::kernels::{BlockMatrix, Format, Isa};
 
 use crate::Result;
 
@@ -26,8 +26,8 @@ use crate::Result;
 pub enum Numerics {
     /// The file's quantized weights through `QMatMul`, as mistral.rs computes.
     Reference,
-    /// llama.cpp's CPU arithmetic, bit for bit ([`crate::model::ggml`],
-    /// [`crate::model::ggml_quant`]): quantized matmuls on the weights' own codes in
+    /// llama.cpp's CPU arithmetic, bit for bit ([`crate::model::numerics::ggml`],
+    /// [`crate::model::numerics::ggml_quant`]): quantized matmuls on the weights' own codes in
     /// ggml's order, its norms, RoPE, GELU table and plain f32 attention.
     Ggml,
     /// One copy of each weight in Q4_1, Q5_0 or Q8_0 blocks: 8-bit integer kernels for a few

@@ -6,7 +6,7 @@
 //! differs only in register width, lane-sum orders and `exp`; its pieces are checked
 //! against the AVX2 instructions themselves (tests) and end to end by the parity test.
 //!
-//! - **quantized matmuls**: [`crate::model::ggml_quant`] for `Q5_0`, `Q8_0`, `Q4_K` and
+//! - **quantized matmuls**: [`crate::model::numerics::ggml_quant`] for `Q5_0`, `Q8_0`, `Q4_K` and
 //!   `Q6_K` weights. For other types the input is only rounded to the 8-bit grid ggml
 //!   quantizes it to ([`InputGrid`]) and multiplied by the dequantized weight in f32,
 //!   which is ggml's integer dot product up to summation order (~1e-7 relative). (candle,
@@ -32,7 +32,7 @@ use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Tensor};
 use half::f16;
 
-use crate::model::ggml_quant::Q8Blocks;
+use crate::model::numerics::ggml_quant::Q8Blocks;
 use crate::{Error, Result};
 
 /// The grid ggml rounds a matmul's input `(rows, in)` to before its dot products with a

@@ -8,7 +8,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use crate::model::gguf::sha256_file;
+use crate::model::file::gguf::sha256_file;
 use crate::wait::{self, WaitError};
 use crate::{Error, Result};
 

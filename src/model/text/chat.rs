@@ -17,7 +17,7 @@ use minijinja::value::Kwargs;
 use minijinja::{context, Environment, ErrorKind};
 use serde::{Deserialize, Serialize};
 
-use crate::model::tokenizer::special_token_text;
+use crate::model::text::tokenizer::special_token_text;
 use crate::{Error, Result};
 
 /// One message of a conversation.

@@ -374,7 +374,7 @@ fn dot_q6_k(d: &[f32], scales: &[i32], q: &[i32], x: &Q8Blocks) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::ggml::tests::pseudo;
+    use crate::model::numerics::ggml::tests::pseudo;
 
     #[test]
     fn hsum8_pairs_lanes_four_apart() {

@@ -9,10 +9,10 @@ use candle_core::quantized::ggml_file::qtensor_from_ggml;
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 
-use crate::model::gguf::TensorSource;
-use crate::model::kernels::{BlockMatrix, Format};
-use crate::model::linear::fast_blocks;
-use crate::model::Numerics;
+use crate::model::file::gguf::TensorSource;
+use crate::model::numerics::kernels::{BlockMatrix, Format};
+use crate::model::numerics::linear::fast_blocks;
+use crate::model::numerics::Numerics;
 use crate::{Error, Result};
 
 /// A `(vocab, d_model)` embedding table.
@@ -127,7 +127,7 @@ mod tests {
 
     #[test]
     fn block_rows_are_the_rows_of_the_dequantized_table() {
-        use crate::model::gguf::MemorySource;
+        use crate::model::file::gguf::MemorySource;
         let data: Vec<f32> = (0..10 * 64)
             .map(|i| ((i * 7919) % 113) as f32 / 50.0 - 1.1)
             .collect();
