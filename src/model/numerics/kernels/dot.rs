@@ -156,9 +156,10 @@ mod x86 {
         _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)))
     }
 
-    /// The Q4_1 and Q8_0 kernels of one instruction set, given its integer dot product.
+    /// The Q4_1 and Q8_0 kernels of one instruction set, given its integer dot product,
+    /// and the signed-code kernel under the Q8_0 one.
     macro_rules! kernels {
-        ($q4_1:ident, $q8_0:ident, $features:literal, $dot:ident) => {
+        ($q4_1:ident, $q8_0:ident, $signed:ident, $features:literal, $dot:ident) => {
             /// Q4_1 row `w` against `R` activation rows.
             #[target_feature(enable = $features)]
             pub(super) unsafe fn $q4_1<const R: usize>(x: [&Activations; R], w: &[u8]) -> [f32; R] {
@@ -194,16 +195,21 @@ mod x86 {
                 out
             }
 
-            /// Q8_0 row `w` against `R` activation rows.
+            /// Row `w` of blocks of `BYTES` bytes, each an f16 `d` and 32 signed codes
+            /// that `codes` reads from the block's start, against `R` activation rows.
             #[target_feature(enable = $features)]
-            pub(super) unsafe fn $q8_0<const R: usize>(x: [&Activations; R], w: &[u8]) -> [f32; R] {
+            unsafe fn $signed<const R: usize, const BYTES: usize>(
+                x: [&Activations; R],
+                w: &[u8],
+                codes: impl Fn(*const u8) -> __m256i,
+            ) -> [f32; R] {
                 let mut acc = [[_mm256_setzero_ps(); 2]; R];
                 let nb = x[0].blocks();
                 for b in 0..nb {
-                    let blk = w.as_ptr().add(b * 34);
+                    let blk = w.as_ptr().add(b * BYTES);
                     let bits = (blk as *const u16).read_unaligned() as i32;
                     let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits)));
-                    let wv = _mm256_loadu_si256(blk.add(2) as *const __m256i);
+                    let wv = codes(blk);
                     let wabs = _mm256_abs_epi8(wv);
                     for r in 0..R {
                         let xv = _mm256_loadu_si256(x[r].q.as_ptr().add(b * QK) as *const __m256i);
@@ -218,10 +224,16 @@ mod x86 {
                 }
                 out
             }
+
+            /// Q8_0 row `w` against `R` activation rows.
+            #[target_feature(enable = $features)]
+            pub(super) unsafe fn $q8_0<const R: usize>(x: [&Activations; R], w: &[u8]) -> [f32; R] {
+                $signed::<R, 34>(x, w, |blk| _mm256_loadu_si256(blk.add(2) as *const __m256i))
+            }
         };
     }
 
-    kernels!(q4_1_avx2, q8_0_avx2, "avx2,fma,f16c", dot_avx2);
+    kernels!(q4_1_avx2, q8_0_avx2, signed_avx2, "avx2,fma,f16c", dot_avx2);
 
     /// Byte `i` is all ones where bit `i` of `bits` is set, else zero.
     #[inline]
@@ -248,39 +260,23 @@ mod x86 {
     pub(super) unsafe fn q5_0_avx2<const R: usize>(x: [&Activations; R], w: &[u8]) -> [f32; R] {
         let low = _mm_set1_epi8(0x0F);
         let top = _mm256_set1_epi8(0xF0u8 as i8);
-        let mut acc = [[_mm256_setzero_ps(); 2]; R];
-        let nb = x[0].blocks();
-        for b in 0..nb {
-            let blk = w.as_ptr().add(b * 22);
-            let bits = (blk as *const u16).read_unaligned() as i32;
-            let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits)));
+        signed_avx2::<R, 22>(x, w, |blk| {
             let high = (blk.add(2) as *const u32).read_unaligned();
             let packed = _mm_loadu_si128(blk.add(6) as *const __m128i);
             let lo = _mm_and_si128(packed, low);
             let hi = _mm_and_si128(_mm_srli_epi16(packed, 4), low);
             // `q - 16` is the nibble where the fifth bit is set, else the nibble with the
             // high four bits set (the byte `nibble - 16`).
-            let wv = _mm256_or_si256(
+            _mm256_or_si256(
                 _mm256_set_m128i(hi, lo),
                 _mm256_andnot_si256(bit_bytes(high), top),
-            );
-            let wabs = _mm256_abs_epi8(wv);
-            for r in 0..R {
-                let xv = _mm256_loadu_si256(x[r].q.as_ptr().add(b * QK) as *const __m256i);
-                let dot = _mm256_cvtepi32_ps(dot_avx2(wabs, _mm256_sign_epi8(xv, wv)));
-                let scale = _mm256_set1_ps(d * x[r].scales[b][0]);
-                acc[r][b % 2] = _mm256_fmadd_ps(dot, scale, acc[r][b % 2]);
-            }
-        }
-        let mut out = [0f32; R];
-        for r in 0..R {
-            out[r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
-        }
-        out
+            )
+        })
     }
     kernels!(
         q4_1_avxvnni,
         q8_0_avxvnni,
+        signed_avxvnni,
         "avxvnni,avx2,fma,f16c",
         dot_avxvnni
     );
