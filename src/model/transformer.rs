@@ -12,6 +12,7 @@ use crate::model::attention;
 use crate::model::config::{Architecture, LayerSpec};
 use crate::model::file::gguf::{GgufFile, TensorSource};
 use crate::model::intervene::MaskSpan;
+use crate::model::numerics::activation::Gate;
 use crate::model::numerics::embedding::Embedding;
 use crate::model::numerics::ggml;
 use crate::model::numerics::linear::Projections;
@@ -644,14 +645,13 @@ impl Model {
             Rows::Chunk => block.gate_up.forward(&h)?,
             Rows::Each => block.gate_up.forward_each(&h)?,
         };
-        let gate = match self.activation {
-            Activation::Silu => gu[0].silu()?,
-            Activation::GeluTanh => match self.numerics {
-                Numerics::Ggml => ggml::gelu_tensor(&gu[0])?,
-                Numerics::Reference | Numerics::Fast => gu[0].gelu()?,
-            },
+        let inner = match (self.activation, self.numerics) {
+            (Activation::Silu, Numerics::Fast) => Gate::Silu.gated(&gu[0], &gu[1])?,
+            (Activation::GeluTanh, Numerics::Fast) => Gate::GeluTanh.gated(&gu[0], &gu[1])?,
+            (Activation::Silu, _) => (gu[0].silu()? * &gu[1])?,
+            (Activation::GeluTanh, Numerics::Ggml) => (ggml::gelu_tensor(&gu[0])? * &gu[1])?,
+            (Activation::GeluTanh, Numerics::Reference) => (gu[0].gelu()? * &gu[1])?,
         };
-        let inner = (gate * &gu[1])?;
         let ffn = match rows {
             Rows::Chunk => block.down.forward(&inner)?,
             Rows::Each => block.down.forward_each(&inner)?,

@@ -3,6 +3,7 @@
 //! vectorised `exp`. Reads tensors from [`crate::model::file`]; knows nothing of layers,
 //! caches or attention.
 
+pub mod activation;
 pub mod embedding;
 pub(crate) mod fast_exp;
 pub mod ggml;
