@@ -48,8 +48,13 @@ random_seeds = [0, 1]
     EvalSpec::load(&path).unwrap()
 }
 
+/// A fresh folder for one caller: the tests run in parallel in one process, so each
+/// call gets its own (two tests writing and reading `spec.toml` in one shared folder
+/// read each other's half-written file).
 fn scratch(tag: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("headwise-eval-{tag}-{}", std::process::id()));
+    static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dir = std::env::temp_dir().join(format!("headwise-eval-{tag}-{}-{n}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     dir
