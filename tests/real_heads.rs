@@ -249,14 +249,15 @@ fn dynamic_ablation_refuses_too_small_grids_resumes_and_grows() {
         std::fs::read_to_string(&partial).unwrap().lines().count(),
         3
     );
-    // A third seed makes two; the report counts all three prompts.
-    let (ok, err) = run("3", "2");
+    // Two more seeds make two answered (under the fast numerics of 2e82903 seed 102 is
+    // missed and 103 answered); the report counts all four prompts.
+    let (ok, err) = run("4", "2");
     assert!(ok, "{err}");
     assert!(err.contains("resuming: 2 prompts already done"), "{err}");
     let report: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("niah-ablation.json")).unwrap())
             .unwrap();
-    assert_eq!(report["summary"]["prompts"], 3);
+    assert_eq!(report["summary"]["prompts"], 4);
     assert_eq!(report["summary"]["variants"][0]["kept"]["n"], 2);
     assert!(!partial.exists());
     std::fs::remove_dir_all(&out).unwrap();
