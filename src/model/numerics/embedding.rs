@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use candle_core::quantized::ggml_file::qtensor_from_ggml;
-use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::quantized::QTensor;
 use candle_core::{Device, Tensor};
 
 use crate::model::file::gguf::TensorSource;
@@ -43,13 +43,7 @@ impl Embedding {
             });
         }
         if numerics == Numerics::Fast {
-            let format = match raw.dtype {
-                GgmlDType::Q4_1 => Some(Format::Q4_1),
-                GgmlDType::Q5_0 => Some(Format::Q5_0),
-                GgmlDType::Q8_0 => Some(Format::Q8_0),
-                _ => None,
-            };
-            if let Some(format) = format {
+            if let Some(format) = Format::of(raw.dtype) {
                 if let Some(m) = BlockMatrix::from_blocks(format, raw.bytes, vocab, d) {
                     return Ok((Embedding::Blocks(Arc::new(m)), None));
                 }

@@ -106,12 +106,10 @@ pub(crate) fn fast_blocks(weight: &QTensor) -> Result<Option<BlockMatrix>> {
             inp,
         ))
     };
-    match weight.dtype() {
-        GgmlDType::F32 => Ok(None),
-        GgmlDType::Q4_1 => file(Format::Q4_1),
-        GgmlDType::Q5_0 => file(Format::Q5_0),
-        GgmlDType::Q8_0 => file(Format::Q8_0),
-        _ => requantized_q8_0(weight),
+    match (weight.dtype(), Format::of(weight.dtype())) {
+        (GgmlDType::F32, _) => Ok(None),
+        (_, Some(format)) => file(format),
+        (_, None) => requantized_q8_0(weight),
     }
 }
 

@@ -32,6 +32,18 @@ impl Format {
     /// Every layout.
     pub const ALL: [Format; 3] = [Format::Q4_1, Format::Q5_0, Format::Q8_0];
 
+    /// The layout of a GGUF tensor type that is kept as the file stores it; `None` for
+    /// the others.
+    pub fn of(dtype: candle_core::quantized::GgmlDType) -> Option<Self> {
+        use candle_core::quantized::GgmlDType;
+        match dtype {
+            GgmlDType::Q4_1 => Some(Format::Q4_1),
+            GgmlDType::Q5_0 => Some(Format::Q5_0),
+            GgmlDType::Q8_0 => Some(Format::Q8_0),
+            _ => None,
+        }
+    }
+
     /// Bytes of one block.
     pub const fn block_bytes(self) -> usize {
         match self {
