@@ -6,6 +6,7 @@
 mod common;
 
 use std::path::Path;
+use std::sync::Arc;
 
 use candle_core::Tensor;
 use common::{
@@ -17,6 +18,7 @@ use headwise::model::{
     Numerics, RopeStyle, DEFAULT_CHUNK,
 };
 use headwise::policy::evict::Observe;
+use headwise::policy::presses::kvzip::RepeatPrompt;
 use headwise::policy::ranking::HeadMatrix;
 use headwise::policy::ranking::{Provenance, Ranking};
 use headwise::policy::{generate, Plan, Policy, PolicyGeneration, Prefilled};
@@ -274,10 +276,24 @@ fn check_press_in_chunks(
     choose: &dyn Fn(&Seen, usize) -> Vec<Vec<usize>>,
     chunk: usize,
 ) -> PolicyGeneration {
+    check_press_with(cfg, context, policy, choose, chunk, None)
+}
+
+/// [`check_press_in_chunks`], the plan given `repeat` for a press that re-reads the
+/// context.
+fn check_press_with(
+    cfg: Config,
+    context: Option<usize>,
+    policy: &str,
+    choose: &dyn Fn(&Seen, usize) -> Vec<Vec<usize>>,
+    chunk: usize,
+    repeat: Option<RepeatPrompt>,
+) -> PolicyGeneration {
     let w = Weights::random(cfg.clone(), 19);
     let mut model = w.model(Numerics::Fast);
     model.set_chunk(chunk);
-    let p = plan(&model, policy, Path::new("."));
+    let mut p = plan(&model, policy, Path::new("."));
+    p.repeat = repeat.map(Arc::new);
     let opts = GenerateOptions {
         context_len: context,
         ..opts()
@@ -630,6 +646,131 @@ fn attention_presses_keep_what_the_brute_force_attention_says() {
         "type = \"static_heads\"\nheads = { list = [[0, 0]] }\nothers = { type = \"window\" }";
     let err = toml::from_str::<Policy>(bad).unwrap_err().to_string();
     assert!(err.contains("others"), "{err}");
+}
+
+/// KVzip's choice from the brute force: each reconstruction pass (the pressed
+/// `PROMPT[..n]`, then the pass's ids) run whole by the plain loop; a row's score is the
+/// most attention any query of the pass gives it in the pass that covers it, over its
+/// KV head's group; the first `sink` rows are kept; one cut across every pressed layer
+/// and head at `ratio`.
+fn kvzip_choice(
+    w: &Weights,
+    n: usize,
+    passes: &[(std::ops::Range<usize>, Vec<u32>)],
+    sink: usize,
+    ratio: f64,
+) -> Vec<Option<Vec<Vec<usize>>>> {
+    let cfg = &w.cfg;
+    let group = cfg.n_heads / cfg.n_kv_heads;
+    let pressed: Vec<usize> = (0..cfg.n_layers)
+        .filter(|&l| cfg.layer(l).window.is_none())
+        .collect();
+    // [layer][kv head][row]
+    let mut scores = vec![vec![vec![0f64; n]; cfg.n_kv_heads]; cfg.n_layers];
+    for (piece, ids) in passes {
+        let mut tokens = PROMPT[..n].to_vec();
+        tokens.extend(ids);
+        let attention = brute_force_attention(w, &tokens);
+        for &l in &pressed {
+            for (kv, rows) in scores[l].iter_mut().enumerate() {
+                for j in piece.clone() {
+                    rows[j] = (kv * group..(kv + 1) * group)
+                        .flat_map(|h| (n..tokens.len()).map(move |q| (h, q)))
+                        .map(|(h, q)| attention[l][h][q][j])
+                        .fold(0.0, f64::max);
+                }
+            }
+        }
+    }
+    let mut all: Vec<(f64, usize, usize, usize)> = Vec::new();
+    for &l in &pressed {
+        for (kv, rows) in scores[l].iter().enumerate() {
+            for (j, &score) in rows.iter().enumerate() {
+                let s = if j < sink { f64::INFINITY } else { score };
+                all.push((s, l, kv, j));
+            }
+        }
+    }
+    all.sort_by(|a, b| b.0.total_cmp(&a.0));
+    let keep = (all.len() as f64 * (1.0 - ratio)).floor() as usize;
+    let (last, next) = (all[keep - 1].0, all[keep].0);
+    assert!(
+        last - next > 1e-4 * next.abs().max(1e-3),
+        "gap {last} vs {next}"
+    );
+    let mut kept: Vec<Option<Vec<Vec<usize>>>> = (0..cfg.n_layers)
+        .map(|l| {
+            pressed
+                .contains(&l)
+                .then(|| vec![Vec::new(); cfg.n_kv_heads])
+        })
+        .collect();
+    for &(_, l, kv, j) in &all[..keep] {
+        kept[l].as_mut().unwrap()[kv].push(j);
+    }
+    kept.iter_mut()
+        .flatten()
+        .flatten()
+        .for_each(|rows| rows.sort_unstable());
+    kept
+}
+
+#[test]
+fn kvzip_keeps_what_the_brute_force_reconstruction_reads_most() {
+    // The context is PROMPT[..12]; the template's opening is its first token, so the
+    // context proper is 1..12, re-read in pieces of 5 (1..6, 6..11, 11..12). The later
+    // pieces' instructions end with up to 8 tokens before the piece, never the opening.
+    let (first, later, turn) = (vec![51, 52], vec![53], vec![50]);
+    let repeat = RepeatPrompt::new(vec![PROMPT[0]], turn.clone(), first.clone(), later.clone());
+    let pass = |lead: &[u32], before: std::ops::Range<usize>, piece: std::ops::Range<usize>| {
+        let mut ids = lead.to_vec();
+        ids.extend(&PROMPT[before]);
+        ids.extend(&turn);
+        ids.extend(&PROMPT[piece.clone()]);
+        (piece, ids)
+    };
+    let passes = [
+        pass(&first, 0..0, 1..6),
+        pass(&later, 1..6, 6..11),
+        pass(&later, 3..11, 11..12),
+    ];
+    for cfg in [tiny_config(), tiny_gemma_config()] {
+        let w = Weights::random(cfg.clone(), 19);
+        let kept = kvzip_choice(&w, 12, &passes, 2, 0.5);
+        let choose = |_: &Seen, l: usize| kept[l].clone().unwrap();
+        let policy = "type = \"kvzip\"\ncompression_ratio = 0.5\nn_sink = 2\nchunk_size = 5";
+        let g = check_press_with(
+            cfg.clone(),
+            Some(12),
+            policy,
+            &choose,
+            3,
+            Some(repeat.clone()),
+        );
+        // The copy the reconstruction ran on counts in the prefill's peak.
+        let model = w.model(Numerics::Fast);
+        let none = Interventions::new();
+        let plain = Prefilled::run(&model, &none, &PROMPT[..13], PROMPT.len() + NEW).unwrap();
+        assert!(
+            g.kv.prefill_peak >= 2 * plain.bytes(),
+            "{:?}",
+            cfg.architecture
+        );
+    }
+    // Without the repeat prompt the plan cannot re-read its context: an error, not a
+    // silent fallback.
+    let model = Weights::random(tiny_config(), 19).model(Numerics::Fast);
+    let p = plan(
+        &model,
+        "type = \"kvzip\"\ncompression_ratio = 0.5",
+        Path::new("."),
+    );
+    let opts = GenerateOptions {
+        context_len: Some(12),
+        ..opts()
+    };
+    let err = generate(&model, &p, PROMPT, &opts, None, None, &mut |_, _, _| true).unwrap_err();
+    assert!(err.to_string().contains("kvzip"), "{err}");
 }
 
 #[test]
@@ -995,7 +1136,7 @@ fn attention_adds_up_over_chunks_and_one_observed_prefill_serves_every_press() {
     let context = &PROMPT[..13];
     let none = Interventions::new();
     let capacity = PROMPT.len() + NEW;
-    let shared = Prefilled::observed(&model, &none, context, capacity, &observes).unwrap();
+    let shared = Prefilled::observed(&model, &none, context, capacity, &observes, None).unwrap();
     let unobserved = Prefilled::run(&model, &none, context, capacity).unwrap();
     for policy in [SNAPKV, TOVA, H2O] {
         let p = plan(&model, policy, Path::new("."));

@@ -8,11 +8,14 @@ mod common;
 
 use std::path::Path;
 
+use headwise::model::text::chat::ChatMessage;
 use headwise::model::{
     generate as plain_generate, Config, GenerateOptions, GgufFile, Interventions, ModelId,
     Observer, Retention, Wants,
 };
+use headwise::model::{LoadedModel, Numerics};
 use headwise::policy::atlas::{self, AtlasFormat};
+use headwise::policy::presses::kvzip::RepeatPrompt;
 use headwise::policy::ranking::Ranking;
 use headwise::policy::{GenerateRequest, Plan, Policy, Prompt, Runtime};
 use headwise::provenance::Made;
@@ -217,4 +220,59 @@ fn a_ranking_exported_and_imported_again_chooses_the_same_heads_on_the_real_mode
     let got: Vec<bool> = kept.iter().map(|r| *r == Retention::Full).collect();
     assert_eq!(got, want);
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn kvzip_re_reads_a_chat_context_after_its_instruction_on_both_models() {
+    const CONTEXT: &str = "The lighthouse keeper on Arran counted forty-one ships in March.";
+    for path in [common::real_model(), common::real_gemma()] {
+        let lm = LoadedModel::load(&path, Numerics::Fast).unwrap();
+        let repeat = RepeatPrompt::of(&lm).unwrap();
+        // The pressed part of a query-agnostic prompt: the template's opening (without a
+        // template, BOS) and the context, up to the question.
+        let opening_and_context = match lm.chat_template {
+            Some(_) => lm.chat_prompt(&[ChatMessage::user(CONTEXT)]).unwrap(),
+            None => lm.encode(CONTEXT, true).unwrap(),
+        };
+        let context = lm.encode(CONTEXT, false).unwrap();
+        let at = (0..opening_and_context.len())
+            .find(|&i| opening_and_context[i..].starts_with(&context))
+            .unwrap();
+        let pressed = &opening_and_context[..at + context.len()];
+        let passes = repeat.passes(pressed, 2048);
+        assert_eq!(passes.len(), 1, "{}", path.display());
+        let (keys, ids) = &passes[0];
+        // The template's opening is found and not re-read; the context is, whole.
+        assert_eq!(keys, &(at..pressed.len()), "{}", path.display());
+        let text = lm.decode(ids).unwrap();
+        assert!(
+            text.starts_with("\n\nRepeat the previous context exactly."),
+            "{text:?}"
+        );
+        assert!(text.ends_with(CONTEXT), "{text:?}");
+        // After the instruction and the turn change, the model itself starts to repeat
+        // the context: the premise the scores rest on.
+        let mut prompt = pressed.to_vec();
+        prompt.extend(&ids[..ids.len() - context.len()]);
+        let opts = GenerateOptions {
+            max_new: 4,
+            ..GenerateOptions::default()
+        };
+        let g = plain_generate(
+            &lm.model,
+            &prompt,
+            &opts,
+            &mut headwise::model::NoObserver,
+            &Interventions::new(),
+            &mut |_, _| true,
+        )
+        .unwrap();
+        assert_eq!(
+            g.tokens,
+            context[..4],
+            "{}: {:?}",
+            path.display(),
+            lm.decode(&g.tokens)
+        );
+    }
 }

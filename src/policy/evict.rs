@@ -34,6 +34,9 @@ pub enum Observe {
     /// No attention: the mean and covariance of each query head's queries before RoPE
     /// over the pressed positions but the first `skip` (expected attention).
     QueryMoments { skip: usize },
+    /// The most attention each pressed position gets while the model re-reads what is
+    /// pressed after a repeat instruction, `chunk` positions per pass (KVzip).
+    Reconstruct { chunk: usize },
 }
 
 /// What a scorer sees of one KV head: its keys and values and, when it observes them,
@@ -48,7 +51,8 @@ pub struct Rows<'a> {
     /// The KV head's query heads (indices into `attention`'s first axis).
     pub group: Range<usize>,
     /// `(n_heads, n)`: attention each query head of the layer gave row `j`, summed over
-    /// the observed queries; `None` when the scorer observes [`Observe::Keys`].
+    /// the observed queries ([`Observe::Reconstruct`]: the most any reconstruction query
+    /// gave it); `None` when the scorer observes no attention.
     pub attention: Option<&'a [f32]>,
     /// Positions of the observed queries (the last of them is `n - 1`).
     pub queries: Range<usize>,
@@ -108,6 +112,9 @@ pub enum Budget {
     /// AdaKV: a layer keeps `n_kv_heads * floor(n (1 - r))` rows chosen across its heads
     /// by score, each head at least `alpha` of its equal share.
     Shared { alpha: f64 },
+    /// One threshold across every pressed layer and head: `floor(heads * n (1 - r))`
+    /// rows kept in all, the highest scores wherever they are (KVzip's default).
+    Global,
 }
 
 /// A token-eviction step of a plan.
@@ -151,7 +158,9 @@ impl Eviction {
             // A prompt of one token: nothing before it to press.
             return Ok(());
         }
-        for (depth, &layer) in pressed.iter().enumerate() {
+        // Per pressed layer: its pressed KV heads and their scores.
+        let mut layers = Vec::with_capacity(pressed.len());
+        for &layer in &pressed {
             let heads: Vec<usize> = (0..cfg.n_kv_heads)
                 .filter(|&h| {
                     !self
@@ -167,10 +176,16 @@ impl Eviction {
                     .ok_or(Error::Internal("a pressed layer keeps every position"))?;
                 let n = keys.len() / cfg.d_head;
                 let observe = self.scorer.observes();
-                let (attention, queries) = match (observe.from(n), observed) {
-                    (None, _) => (None, n..n),
-                    (Some(from), Some(o)) => (Some(o.get(from, layer, n)?), from..n),
-                    (Some(_), None) => {
+                let (attention, queries) = match (observe, observe.from(n), observed) {
+                    (Observe::Reconstruct { chunk }, _, Some(o)) => {
+                        (Some(o.maxima_of(chunk, layer, n)?), n..n)
+                    }
+                    (Observe::Reconstruct { .. }, _, None) => {
+                        return Err(Error::Internal("the prefill reconstructed nothing"))
+                    }
+                    (_, None, _) => (None, n..n),
+                    (_, Some(from), Some(o)) => (Some(o.get(from, layer, n)?), from..n),
+                    (_, Some(_), None) => {
                         return Err(Error::Internal("the prefill observed no attention"))
                     }
                 };
@@ -198,30 +213,45 @@ impl Eviction {
                 }
                 scores.push(s);
             }
-            let kept: Vec<Vec<usize>> = match self.budget {
-                Budget::PerHead => {
-                    let keep = |s: &Vec<f32>| kept_rows(s.len(), self.compression_ratio);
-                    scores.iter().map(|s| best_rows(s, keep(s))).collect()
-                }
-                Budget::Pyramid { window, beta } => {
-                    let n = scores.first().map_or(0, Vec::len);
-                    let keep = pyramid_budget(
-                        n,
-                        self.compression_ratio,
-                        window,
-                        beta,
-                        depth,
-                        pressed.len(),
-                    );
-                    scores.iter().map(|s| best_rows(s, keep)).collect()
-                }
-                Budget::Shared { alpha } => shared_rows(&scores, self.compression_ratio, alpha),
-            };
-            for (&kv_head, rows) in heads.iter().zip(&kept) {
-                cache.keep(layer, kv_head, rows)?;
+            layers.push((layer, heads, scores));
+        }
+        let kept: Vec<Vec<Vec<usize>>> = match self.budget {
+            Budget::Global => {
+                let all: Vec<&[Vec<f32>]> = layers.iter().map(|l| l.2.as_slice()).collect();
+                global_rows(&all, self.compression_ratio)
+            }
+            _ => layers
+                .iter()
+                .enumerate()
+                .map(|(depth, l)| self.layer_rows(&l.2, depth, pressed.len()))
+                .collect(),
+        };
+        for ((layer, heads, _), kept) in layers.iter().zip(&kept) {
+            for (&kv_head, rows) in heads.iter().zip(kept) {
+                cache.keep(*layer, kv_head, rows)?;
             }
         }
         Ok(())
+    }
+
+    /// The rows each head of pressed layer `depth` of `layers` keeps, from its heads'
+    /// `scores`, under a budget set per layer.
+    fn layer_rows(&self, scores: &[Vec<f32>], depth: usize, layers: usize) -> Vec<Vec<usize>> {
+        let ratio = self.compression_ratio;
+        match self.budget {
+            Budget::PerHead => scores
+                .iter()
+                .map(|s| best_rows(s, kept_rows(s.len(), ratio)))
+                .collect(),
+            Budget::Pyramid { window, beta } => {
+                let n = scores.first().map_or(0, Vec::len);
+                let keep = pyramid_budget(n, ratio, window, beta, depth, layers);
+                scores.iter().map(|s| best_rows(s, keep)).collect()
+            }
+            Budget::Shared { alpha } => shared_rows(scores, ratio, alpha),
+            // One layer's part of the one threshold, when asked for alone.
+            Budget::Global => global_rows(&[scores], ratio).remove(0),
+        }
     }
 }
 
@@ -288,6 +318,41 @@ pub(crate) fn shared_rows(scores: &[Vec<f32>], ratio: f64, alpha: f64) -> Vec<Ve
         .collect()
 }
 
+/// KVzip's choice across every pressed layer and head: the `floor(heads * n (1 -
+/// ratio))` highest scores of all (`scores`: per layer, per head, per row; of equal
+/// scores the earlier layer, head, row). Per layer, per head, ascending.
+pub(crate) fn global_rows(scores: &[&[Vec<f32>]], ratio: f64) -> Vec<Vec<Vec<usize>>> {
+    let heads: usize = scores.iter().map(|l| l.len()).sum();
+    let n = scores
+        .iter()
+        .flat_map(|l| l.first())
+        .next()
+        .map_or(0, Vec::len);
+    let keep = (heads as f64 * n as f64 * (1.0 - ratio)).floor() as usize;
+    let mut all: Vec<(f32, usize, usize, usize)> = scores
+        .iter()
+        .enumerate()
+        .flat_map(|(l, layer)| {
+            layer
+                .iter()
+                .enumerate()
+                .flat_map(move |(h, s)| s.iter().enumerate().map(move |(j, &v)| (v, l, h, j)))
+        })
+        .collect();
+    all.sort_by(|a, b| {
+        b.0.total_cmp(&a.0)
+            .then((a.1, a.2, a.3).cmp(&(b.1, b.2, b.3)))
+    });
+    let mut kept: Vec<Vec<Vec<usize>>> = scores.iter().map(|l| vec![Vec::new(); l.len()]).collect();
+    for &(_, l, h, j) in all.iter().take(keep) {
+        kept[l][h].push(j);
+    }
+    for rows in kept.iter_mut().flatten() {
+        rows.sort_unstable();
+    }
+    kept
+}
+
 /// Indices of the `keep` highest scores, ascending; of equal scores the earlier row.
 pub(crate) fn best_rows(scores: &[f32], keep: usize) -> Vec<usize> {
     let mut order: Vec<usize> = (0..scores.len()).collect();
@@ -300,9 +365,10 @@ pub(crate) fn best_rows(scores: &[f32], keep: usize) -> Vec<usize> {
 /// What a prefill observed for the presses, for each layer without a window of its own:
 /// the attention its queries gave every key, summed over the queries, for one or more
 /// sets of observed queries (each from some position to the end, so that one prefill
-/// serves SnapKV's window, TOVA's last query and H2O's whole prefill at once), and the
-/// moments of its queries ([`QueryMoments`]). An [`Observer`] of the observed part of
-/// the prefill.
+/// serves SnapKV's window, TOVA's last query and H2O's whole prefill at once), the
+/// moments of its queries ([`QueryMoments`]), and the most attention each key got while
+/// the model re-read the prompt ([`Observe::Reconstruct`]). An [`Observer`] of the
+/// observed part of the prefill and of the reconstruction passes.
 #[derive(Debug, Clone)]
 pub struct Observed {
     /// Positions the sums cover (what is pressed).
@@ -315,6 +381,13 @@ pub struct Observed {
     sums: Vec<(usize, Vec<Vec<f32>>)>,
     /// Per number of first positions skipped: per layer, `None` for windowed layers.
     moments: Vec<(usize, Vec<Option<QueryMoments>>)>,
+    /// Per layer `(n_heads, n)`: the most attention a reconstruction query gave each
+    /// key (empty for windowed layers; no layers unless a press reconstructs).
+    maxima: Vec<Vec<f32>>,
+    /// The keys the running reconstruction pass covers, while one runs.
+    reconstructing: Option<Range<usize>>,
+    /// The piece size of the reconstruction, once it ran.
+    reconstructed: Option<usize>,
     /// A tensor that could not be read (reported by [`Self::get`]).
     unreadable: bool,
 }
@@ -425,12 +498,21 @@ impl Observed {
                 })
                 .collect()
         };
+        let reconstructs = observes
+            .iter()
+            .any(|o| matches!(o, Observe::Reconstruct { .. }));
         Self {
             n,
             n_heads: cfg.n_heads,
             start: 0,
             sums: froms.into_iter().map(|f| (f, layers())).collect(),
             moments: skips.into_iter().map(|s| (s, moments())).collect(),
+            maxima: match reconstructs {
+                true => layers(),
+                false => Vec::new(),
+            },
+            reconstructing: None,
+            reconstructed: None,
             unreadable: false,
         }
     }
@@ -449,6 +531,7 @@ impl Observed {
             (Observe::QueryMoments { skip }, _) => {
                 n == self.n && self.moments.iter().any(|m| m.0 == skip)
             }
+            (Observe::Reconstruct { chunk }, _) => n == self.n && self.reconstructed == Some(chunk),
             (_, None) => true,
             (_, Some(from)) => n == self.n && self.sums.iter().any(|s| s.0 == from),
         }
@@ -467,6 +550,56 @@ impl Observed {
                 "the observed queries do not cover the pressed rows",
             )),
         }
+    }
+
+    /// Layer `layer`'s maxima `(n_heads, n)` of a reconstruction in pieces of `chunk`, for
+    /// a store of `n` rows.
+    fn maxima_of(&self, chunk: usize, layer: usize, n: usize) -> Result<&[f32]> {
+        if self.unreadable {
+            return Err(Error::Internal(
+                "an observed attention tensor was unreadable",
+            ));
+        }
+        match self.maxima.get(layer) {
+            Some(m) if n == self.n && !m.is_empty() && self.reconstructed == Some(chunk) => Ok(m),
+            _ => Err(Error::Internal(
+                "the reconstruction does not cover the pressed rows",
+            )),
+        }
+    }
+
+    /// The next attention observed is a reconstruction pass's, whose maxima are kept for
+    /// the keys `keys`.
+    pub(crate) fn reconstructing(&mut self, keys: Range<usize>) {
+        self.reconstructing = Some(keys);
+    }
+
+    /// The reconstruction in pieces of `chunk` positions is over.
+    pub(crate) fn reconstructed(&mut self, chunk: usize) {
+        self.reconstructing = None;
+        self.reconstructed = Some(chunk);
+    }
+
+    /// Raise layer `layer`'s maxima over `keys` to those of `probs` `(n_heads, q,
+    /// kv_len)`.
+    fn add_max(
+        &mut self,
+        layer: usize,
+        probs: &Tensor,
+        keys: Range<usize>,
+    ) -> candle_core::Result<()> {
+        let n = self.n;
+        let Some(maxima) = self.maxima.get_mut(layer).filter(|m| !m.is_empty()) else {
+            return Ok(());
+        };
+        // (n_heads, q, kv_len) -> (n_heads, keys)
+        let best: Vec<Vec<f32>> = probs.narrow(2, keys.start, keys.len())?.max(1)?.to_vec2()?;
+        for (h, row) in best.iter().enumerate() {
+            for (m, &p) in maxima[h * n + keys.start..].iter_mut().zip(row) {
+                *m = m.max(p);
+            }
+        }
+        Ok(())
     }
 
     /// Layer `layer`'s sums `(n_heads, n)` for queries `from..n`, for a store of `n` rows.
@@ -514,7 +647,7 @@ impl Observe {
     /// pressed (`None`: no attention).
     fn from(self, n: usize) -> Option<usize> {
         match self {
-            Observe::Keys | Observe::QueryMoments { .. } => None,
+            Observe::Keys | Observe::QueryMoments { .. } | Observe::Reconstruct { .. } => None,
             Observe::Last(w) => Some(n.saturating_sub(w)),
             Observe::All => Some(0),
         }
@@ -523,10 +656,16 @@ impl Observe {
 
 impl Observer for Observed {
     fn wants(&self) -> Wants {
-        Wants {
-            attention: !self.sums.is_empty(),
-            queries: !self.moments.is_empty(),
-            ..Wants::default()
+        match self.reconstructing {
+            Some(_) => Wants {
+                attention: true,
+                ..Wants::default()
+            },
+            None => Wants {
+                attention: !self.sums.is_empty(),
+                queries: !self.moments.is_empty(),
+                ..Wants::default()
+            },
         }
     }
 
@@ -535,7 +674,11 @@ impl Observer for Observed {
     }
 
     fn attention(&mut self, layer: usize, probs: &Tensor) {
-        if self.add(layer, probs).is_err() {
+        let added = match self.reconstructing.clone() {
+            Some(keys) => self.add_max(layer, probs, keys),
+            None => self.add(layer, probs),
+        };
+        if added.is_err() {
             self.unreadable = true;
         }
     }
@@ -555,6 +698,18 @@ impl Observer for Observed {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn one_cut_runs_across_layers_and_heads() {
+        // Two layers, the first with two heads, the second with one; 4 rows each: 12
+        // rows, ratio 0.5 keeps the 6 best wherever they are (of a tie, the earlier layer).
+        let first = vec![vec![0.9, 0.1, 0.8, 0.0], vec![0.2, 0.7, 0.3, 0.0]];
+        let second = vec![vec![0.5, 0.6, 0.3, 0.05]];
+        let kept = global_rows(&[&first, &second], 0.5);
+        // 0.9, 0.8, 0.7 (layer 0), 0.6, 0.5 (layer 1), then 0.3 twice: layer 0's.
+        let want: Vec<Vec<Vec<usize>>> = vec![vec![vec![0, 2], vec![1, 2]], vec![vec![0, 1]]];
+        assert_eq!(kept, want);
+    }
 
     #[test]
     fn the_best_rows_come_back_in_order() {

@@ -20,6 +20,7 @@ use crate::policy::evict::{Observe, Observed};
 use crate::policy::explain::{ExplainConfig, HeadReads, TokenExplain};
 use crate::policy::plan::{DynamicSource, Plan, Prefill};
 use crate::policy::prefix::Prefix;
+use crate::policy::presses::kvzip::{reconstruct, RepeatPrompt};
 use crate::{Error, Result};
 
 /// A prompt prefilled with the plain (full) cache, all but its last token: shared by
@@ -35,6 +36,8 @@ pub struct Prefilled {
     prompt: Vec<u32>,
     /// Attention sums of the observed positions, for presses that read attention.
     attention: Option<Observed>,
+    /// Bytes of the copy of the cache a reconstruction ran on (KVzip), at most.
+    fork: usize,
     secs: f64,
 }
 
@@ -47,18 +50,20 @@ impl Prefilled {
         prompt: &[u32],
         capacity: usize,
     ) -> Result<Self> {
-        Self::observed(model, edits, prompt, capacity, &[])
+        Self::observed(model, edits, prompt, capacity, &[], None)
     }
 
     /// [`Prefilled::run`], with the attention each of `observes` names summed over its
     /// queries, for the presses that read it: the positions before the first observed
-    /// query run as one pass, the rest as another.
+    /// query run as one pass, the rest as another. An [`Observe::Reconstruct`] then
+    /// re-reads the prefilled positions with `repeat` (KVzip; an error without it).
     pub fn observed(
         model: &Model,
         edits: &Interventions,
         prompt: &[u32],
         capacity: usize,
         observes: &[Observe],
+        repeat: Option<&RepeatPrompt>,
     ) -> Result<Self> {
         if prompt.is_empty() {
             return Err(Error::invalid("prompt", "empty (no tokens)"));
@@ -75,12 +80,30 @@ impl Prefilled {
         if from < head.len() {
             session.prefill(&head[from..], &mut Tee(&mut obs, &mut sums), edits)?;
         }
+        let kv = session.into_cache();
+        let mut fork = 0;
+        let chunk = observes.iter().find_map(|o| match o {
+            Observe::Reconstruct { chunk } => Some(*chunk),
+            _ => None,
+        });
+        if let (Some(chunk), false) = (chunk, head.is_empty()) {
+            let repeat = repeat.ok_or_else(|| {
+                Error::invalid(
+                    "policy",
+                    "kvzip re-reads the context after a repeat instruction, which needs the \
+                     model's tokenizer: resolve the plan with `Plan::with_text`",
+                )
+            })?;
+            fork = reconstruct(model, edits, &kv, head, chunk, repeat, &mut sums)?;
+        }
+        let observed = from < head.len() || (chunk.is_some() && !head.is_empty());
         Ok(Self {
-            kv: session.into_cache(),
+            kv,
             edits: edits.clone(),
             hidden: obs.hidden,
             prompt: prompt.to_vec(),
-            attention: (from < head.len()).then_some(sums),
+            attention: observed.then_some(sums),
+            fork,
             secs: t0.elapsed().as_secs_f64(),
         })
     }
@@ -105,6 +128,12 @@ impl Prefilled {
     /// Bytes the plain cache allocated for the prefill.
     pub fn bytes(&self) -> usize {
         self.kv.allocated_bytes()
+    }
+
+    /// Bytes the prefill held at most: the plain cache, with the copy KVzip's
+    /// reconstruction ran on.
+    pub fn peak_bytes(&self) -> usize {
+        self.bytes() + self.fork
     }
 }
 
@@ -398,13 +427,21 @@ impl<'a> Decoding<'a> {
                     None => {
                         let pressed = &prompt[..need.len];
                         let observes = [need.observe];
-                        own = Prefilled::observed(model, &plan.edits, pressed, capacity, &observes)?;
+                        let repeat = plan.repeat.as_deref();
+                        own = Prefilled::observed(
+                            model,
+                            &plan.edits,
+                            pressed,
+                            capacity,
+                            &observes,
+                            repeat,
+                        )?;
                         &own
                     }
                 };
                 let mut cache =
                     HeadCache::from_kv(cfg, &pre.kv, &plan.retention, plan.rows, capacity)?;
-                let mut peak = pre.bytes() + cache.bytes().total();
+                let mut peak = pre.peak_bytes().max(pre.bytes() + cache.bytes().total());
                 if let Some(eviction) = &plan.evict {
                     eviction.press(&mut cache, cfg, pre.attention.as_ref())?;
                 }

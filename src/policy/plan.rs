@@ -4,12 +4,14 @@
 //! (files, model identity, ranges) fails here, before generation.
 
 use std::path::Path;
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use crate::model::{Config, Interventions, ModelId, Retention, RowFormat, TopK};
+use crate::model::{Config, Interventions, LoadedModel, ModelId, Retention, RowFormat, TopK};
 use crate::policy::config::Policy;
-use crate::policy::evict::Eviction;
+use crate::policy::evict::{Eviction, Observe};
+use crate::policy::presses::kvzip::RepeatPrompt;
 use crate::policy::presses::Target;
 use crate::policy::select::{Chosen, Gqa};
 use crate::probe::Probe;
@@ -62,6 +64,9 @@ pub struct Plan {
     pub evict: Option<Eviction>,
     /// How every store holds its rows (f32 unless a `quantize` part says otherwise).
     pub rows: RowFormat,
+    /// What a press that re-reads the context feeds the model (KVzip), once
+    /// [`Plan::with_text`] gave it.
+    pub repeat: Option<Arc<RepeatPrompt>>,
     n_heads: usize,
     n_kv_heads: usize,
     /// Per KV head: whether its layer has no sliding window of its own (the heads a
@@ -85,6 +90,7 @@ impl Plan {
             dynamic: None,
             evict: None,
             rows: RowFormat::F32,
+            repeat: None,
             n_heads: cfg.n_heads,
             n_kv_heads: cfg.n_kv_heads,
             candidates,
@@ -92,6 +98,19 @@ impl Plan {
         let target = Target { cfg, id, base };
         policy.config().press().apply(&mut plan, &target)?;
         Ok(plan)
+    }
+
+    /// This plan with what it needs of `lm`'s tokenizer and chat template: the repeat
+    /// prompt of a press that re-reads the context (KVzip); the rest need nothing.
+    pub fn with_text(mut self, lm: &LoadedModel) -> Result<Self> {
+        let reconstructs = self
+            .evict
+            .as_ref()
+            .is_some_and(|e| matches!(e.scorer.observes(), Observe::Reconstruct { .. }));
+        if reconstructs {
+            self.repeat = Some(Arc::new(RepeatPrompt::of(lm)?));
+        }
+        Ok(self)
     }
 
     /// Which KV heads to keep in full for the chosen query heads.

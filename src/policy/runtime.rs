@@ -90,7 +90,7 @@ impl RuntimeBuilder {
         let id = ModelId::of_file(&path)?;
         let lm = LoadedModel::load(&path, Numerics::Fast)?;
         let base = self.base.unwrap_or_else(|| PathBuf::from("."));
-        let plan = Plan::resolve(&policy, lm.model.config(), &id, &base)?;
+        let plan = Plan::resolve(&policy, lm.model.config(), &id, &base)?.with_text(&lm)?;
         Ok(Runtime {
             lm: Arc::new(lm),
             id: Arc::new(id),
@@ -236,7 +236,8 @@ impl Runtime {
     /// The same model (shared, not reloaded) under another policy; relative paths in
     /// it are read from `base`.
     pub fn with_policy(&self, policy: &Policy, base: &Path) -> Result<Runtime> {
-        let plan = Plan::resolve(policy, self.lm.model.config(), &self.id, base)?;
+        let plan =
+            Plan::resolve(policy, self.lm.model.config(), &self.id, base)?.with_text(&self.lm)?;
         Ok(Runtime {
             lm: Arc::clone(&self.lm),
             id: Arc::clone(&self.id),

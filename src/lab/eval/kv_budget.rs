@@ -305,6 +305,7 @@ pub fn run(
         .iter()
         .map(|p| {
             Plan::resolve(&p.policy, cfg, id, base)
+                .and_then(|plan| plan.with_text(lm))
                 .map(|plan| (p, plan))
                 .map_err(|e| Error::invalid("policy", format!("`{}`: {e}", p.name)))
         })
@@ -408,26 +409,31 @@ pub fn run(
         let need = |p: &Plan| -> Result<Option<PrefillNeed>> {
             Ok(prefill_need(p, ex.prompt.len(), &opts)?.filter(|_| p.edits.is_empty()))
         };
-        // Keyed by (length, whether attention is observed): presses that read only keys
-        // get an unobserved prefill, which runs the fast path and is timed alone.
-        let key = |n: &PrefillNeed| (n.len, n.observe != Observe::Keys);
-        let mut needs: BTreeMap<(usize, bool), Vec<Observe>> = BTreeMap::new();
+        // Keyed by (length, whether attention is observed, whether the context is re-read):
+        // presses that read only keys get an unobserved prefill, which runs the fast path
+        // and is timed alone, and KVzip's reconstruction is timed apart from the rest.
+        let key = |n: &PrefillNeed| {
+            let reconstructs = matches!(n.observe, Observe::Reconstruct { .. });
+            (n.len, n.observe != Observe::Keys, reconstructs)
+        };
+        let mut needs: BTreeMap<(usize, bool, bool), Vec<Observe>> = BTreeMap::new();
         for (_, p) in &todo {
             if let Some(n) = need(p)? {
                 needs.entry(key(&n)).or_default().push(n.observe);
             }
         }
-        let shared: BTreeMap<(usize, bool), Prefilled> = needs
+        let shared: BTreeMap<(usize, bool, bool), Prefilled> = needs
             .iter()
-            .map(|(&(len, observed), observes)| {
-                let pre = &ex.prompt[..len];
+            .map(|(&key, observes)| {
+                let pre = &ex.prompt[..key.0];
                 let edits = Interventions::new();
-                Prefilled::observed(&lm.model, &edits, pre, capacity, observes)
-                    .map(|p| ((len, observed), p))
+                let repeat = plans.iter().find_map(|(_, p)| p.repeat.as_deref());
+                Prefilled::observed(&lm.model, &edits, pre, capacity, observes, repeat)
+                    .map(|p| (key, p))
             })
             .collect::<Result<_>>()?;
         let oracle = match (
-            shared.get(&(ex.prompt.len(), false)),
+            shared.get(&(ex.prompt.len(), false, false)),
             todo.iter()
                 .any(|(p, _)| p.policy.name() == "dynamic_oracle"),
         ) {

@@ -113,6 +113,35 @@ impl KvCache {
         Ok(())
     }
 
+    /// A copy that shares no buffer with this cache, so that either can run on (a clone
+    /// shares them, and appending writes into them in place).
+    pub fn fork(&self) -> Result<Self> {
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| {
+                l.as_ref()
+                    .map(|l| -> Result<LayerKv> {
+                        Ok(LayerKv {
+                            k: l.k.copy()?,
+                            v: l.v.copy()?,
+                            offset: l.offset,
+                        })
+                    })
+                    .transpose()
+            })
+            .collect::<Result<_>>()?;
+        Ok(Self {
+            layers,
+            windows: self.windows.clone(),
+            len: self.len,
+            capacity: self.capacity,
+            max_len: self.max_len,
+            n_kv_heads: self.n_kv_heads,
+            d_head: self.d_head,
+        })
+    }
+
     /// Bytes allocated for keys and values (resident, not just used).
     pub fn allocated_bytes(&self) -> usize {
         self.layers
@@ -290,6 +319,29 @@ mod tests {
             bytes <= global_bytes + 2 * (8 + WINDOW_SLACK) * 2 * 4,
             "{bytes}"
         );
+    }
+
+    #[test]
+    fn a_fork_runs_on_without_touching_the_original() {
+        let mut cache = KvCache::new(&config(Some(8)), 16);
+        feed(&mut cache, &[5; 4]);
+        let rows = |c: &KvCache, l| {
+            let (k, v, start) = c.layer_rows(l).unwrap().unwrap();
+            (
+                k.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                v.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                start,
+            )
+        };
+        let before: Vec<_> = (0..2).map(|l| rows(&cache, l)).collect();
+        let mut fork = cache.fork().unwrap();
+        // Long enough for the windowed layer to move its kept keys to the front of its
+        // buffer, and for the global layer to write past the original's length.
+        feed(&mut fork, &[1; 300]);
+        assert_eq!(fork.len(), 320);
+        let after: Vec<_> = (0..2).map(|l| rows(&cache, l)).collect();
+        assert_eq!(before, after);
+        assert_eq!(cache.len(), 20);
     }
 
     #[test]

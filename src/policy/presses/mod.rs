@@ -144,6 +144,8 @@ registry! {
     observed_attention => ObservedAttention,
     /// Every KV head keeps what the next queries are expected to attend to.
     expected_attention => ExpectedAttention,
+    /// Every KV head keeps what the model reads to repeat the context (KVzip).
+    kvzip => Kvzip,
     /// Another press's scores with the budget shared across a layer's heads (AdaKV).
     adakv => Adakv,
     /// Every store's rows in f16 or 8-bit blocks (llama.cpp's q8_0).

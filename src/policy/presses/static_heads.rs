@@ -59,7 +59,7 @@ impl Press for StaticHeads {
             if !others.press().presses_tokens() {
                 return Err(Error::invalid(
                     "others",
-                    format!("{} (must be a token press: knorm, snapkv, pyramidkv, tova, observed_attention, adakv)", others.kind()),
+                    format!("{} (must be a token press: knorm, snapkv, pyramidkv, tova, observed_attention, expected_attention, kvzip, adakv)", others.kind()),
                 ));
             }
             others.press().check()?;
