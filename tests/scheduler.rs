@@ -20,8 +20,8 @@ use headwise::policy::{
 const WAIT: Duration = Duration::from_secs(600);
 
 enum Msg {
-    Admitted,
-    Token,
+    Admitted(usize),
+    Token(usize),
     Done(usize, Result<GenerateOutput, String>),
 }
 
@@ -35,12 +35,12 @@ struct Probe {
 
 impl Sink for Probe {
     fn admitted(&mut self) {
-        let _ = self.tx.send(Msg::Admitted);
+        let _ = self.tx.send(Msg::Admitted(self.id));
     }
 
     fn token(&mut self, _step: &Step) -> bool {
         self.tokens += 1;
-        let _ = self.tx.send(Msg::Token);
+        let _ = self.tx.send(Msg::Token(self.id));
         self.stop_after != Some(self.tokens)
     }
 
@@ -52,10 +52,16 @@ impl Sink for Probe {
 }
 
 fn runtimes() -> BTreeMap<String, Runtime> {
+    runtimes_with_chunk(headwise::model::DEFAULT_CHUNK)
+}
+
+/// The four policies over one model that prefills `chunk` positions per forward pass.
+fn runtimes_with_chunk(chunk: usize) -> BTreeMap<String, Runtime> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let full = Runtime::builder()
         .model(common::real_model())
         .base_dir(root)
+        .prefill_chunk(chunk)
         .build()
         .unwrap();
     let mut all = BTreeMap::new();
@@ -108,11 +114,11 @@ fn collect(
     let (mut done, mut live, mut most) = (BTreeMap::new(), 0usize, 0usize);
     while done.len() < n {
         match rx.recv_timeout(WAIT).expect("the scheduler stalled") {
-            Msg::Admitted => {
+            Msg::Admitted(_) => {
                 live += 1;
                 most = most.max(live);
             }
-            Msg::Token => {}
+            Msg::Token(_) => {}
             Msg::Done(id, out) => {
                 live = live.saturating_sub(1);
                 done.insert(id, out);
@@ -172,7 +178,7 @@ fn batched_generations_equal_each_alone_and_leave_when_cancelled() {
     let mut early = Vec::new();
     loop {
         let msg = rx.recv_timeout(WAIT).expect("no first token");
-        let first = matches!(msg, Msg::Token);
+        let first = matches!(msg, Msg::Token(_));
         early.push(msg);
         if first {
             break;
@@ -573,4 +579,69 @@ fn under_a_probe_policy_each_explained_token_names_the_probe_s_most_active_heads
         .map(|e| e.probe.as_ref().unwrap()[0].activity)
         .collect();
     assert!(first.windows(2).any(|w| w[0] != w[1]), "{first:?}");
+}
+
+#[test]
+fn small_prefill_chunks_let_running_streams_step_between_them_and_change_no_token() {
+    // Prefill chunks of 32 and 32 prompt positions an iteration: while the long prompt
+    // (about 650 tokens: some 20 chunks) is prefilled, the running stream gets a token
+    // after every chunk, where chunks of 256 would give it about three. Both requests
+    // give what each gives alone on the same runtime.
+    let runtimes = runtimes_with_chunk(32);
+    let (short, long) = (request(1), request(5));
+    let mut short = short;
+    short.max_tokens = 48;
+    short.ignore_eos = true;
+    let alone: Vec<Vec<u32>> = [(&short, "static-locos"), (&long, "full")]
+        .iter()
+        .map(|(r, p)| runtimes[*p].generate(r, &mut |_| true).unwrap().tokens)
+        .collect();
+    let scheduler = Scheduler::new(
+        runtimes,
+        SchedulerConfig {
+            max_batch: 4,
+            kv_budget: None,
+            prefill_tokens: 32,
+            prefix_cache_bytes: 0,
+        },
+    )
+    .unwrap();
+    let (tx, rx) = channel();
+    let sink = |id: usize| -> Box<dyn Sink> {
+        Box::new(Probe {
+            id,
+            tx: tx.clone(),
+            tokens: 0,
+            stop_after: None,
+        })
+    };
+    scheduler.submit("static-locos", &short, sink(0)).unwrap();
+    loop {
+        let msg = rx.recv_timeout(WAIT).expect("no first token");
+        if matches!(msg, Msg::Token(0)) {
+            break;
+        }
+    }
+    scheduler.submit("full", &long, sink(1)).unwrap();
+    // Tokens of the running stream between the long prompt's admission and its first
+    // token: decode steps run between its chunks.
+    let (mut admitted, mut answering, mut between) = (false, false, 0);
+    let mut done = BTreeMap::new();
+    while done.len() < 2 {
+        match rx.recv_timeout(WAIT).expect("the scheduler stalled") {
+            Msg::Admitted(1) => admitted = true,
+            Msg::Token(0) if admitted && !answering => between += 1,
+            Msg::Token(1) => answering = true,
+            Msg::Done(id, out) => {
+                done.insert(id, out.unwrap().tokens);
+            }
+            _ => {}
+        }
+    }
+    assert_eq!(done[&0], alone[0]);
+    assert_eq!(done[&1], alone[1]);
+    assert!(
+        between >= 12,
+        "{between} tokens of the running stream during the prefill"
+    );
 }

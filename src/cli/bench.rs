@@ -87,9 +87,14 @@ pub struct BenchArgs {
     /// [default: no budget].
     #[arg(long, value_delimiter = ',')]
     kv_budget_mib: Vec<f64>,
-    /// `bench serve`: prompt positions the server prefills per scheduler iteration.
+    /// `bench serve`: prompt positions the server prefills per scheduler iteration
+    /// [default: one prefill chunk].
     #[arg(long)]
     prefill_tokens: Option<usize>,
+    /// `bench serve`: the server's prefill chunks to compare (positions per forward pass
+    /// of a prompt), one server each.
+    #[arg(long, value_delimiter = ',', default_value = "256")]
+    prefill_chunk: Vec<usize>,
     /// `bench serve`: measure every policy's levels a second time with per-token
     /// introspection (`"headwise": {"explain": true}`): its cost.
     #[arg(long)]
@@ -750,8 +755,14 @@ fn serve(args: &BenchArgs) -> anyhow::Result<()> {
     use headwise::lab::serve_bench::{self as bench, BenchOptions};
     use headwise::serve::{load_engine, ServeConfig};
     use std::collections::BTreeMap;
-    if args.concurrency.contains(&0) || args.max_batch.contains(&0) || args.requests == 0 {
-        anyhow::bail!("--concurrency, --max-batch and --requests must be at least 1");
+    if args.concurrency.contains(&0)
+        || args.max_batch.contains(&0)
+        || args.prefill_chunk.contains(&0)
+        || args.requests == 0
+    {
+        anyhow::bail!(
+            "--concurrency, --max-batch, --prefill-chunk and --requests must be at least 1"
+        );
     }
     let path = args.model.resolve()?;
     let top = args.concurrency.iter().copied().max().unwrap_or(1);
@@ -802,13 +813,15 @@ fn serve(args: &BenchArgs) -> anyhow::Result<()> {
         false => args.kv_budget_mib.iter().map(|&m| Some(m)).collect(),
     };
     let budgets = &budgets;
+    let chunks = &args.prefill_chunk;
     let servers = batches.iter().flat_map(|&b| {
-        args.prefix_cache_mib
-            .iter()
-            .flat_map(move |&p| budgets.iter().map(move |&k| (b, p, k)))
+        args.prefix_cache_mib.iter().flat_map(move |&p| {
+            budgets
+                .iter()
+                .flat_map(move |&k| chunks.iter().map(move |&c| (b, p, k, c)))
+        })
     });
-    let defaults = ServeConfig::default();
-    for (max_batch, prefix_cache_mib, kv_budget_mib) in servers {
+    for (max_batch, prefix_cache_mib, kv_budget_mib, prefill_chunk) in servers {
         // Every client gets a place in the batch or the queue.
         let cfg = ServeConfig {
             model: Some(path.clone()),
@@ -817,7 +830,8 @@ fn serve(args: &BenchArgs) -> anyhow::Result<()> {
             max_queue: top.saturating_sub(max_batch),
             prefix_cache_mib,
             kv_budget_mib,
-            prefill_tokens: args.prefill_tokens.unwrap_or(defaults.prefill_tokens),
+            prefill_tokens: args.prefill_tokens.unwrap_or(prefill_chunk),
+            prefill_chunk,
             ..ServeConfig::default()
         };
         cfg.validate()?;
@@ -829,18 +843,23 @@ fn serve(args: &BenchArgs) -> anyhow::Result<()> {
         made.get_or_insert_with(|| Made::now(runtime.model().model.numerics().name()));
         rows.extend(rt.block_on(bench::run(engine, &cfg, &opts, &mut |r| {
             eprintln!(
-                "{} max batch {} prefix cache {} MiB KV budget {} MiB x{}: {} requests in {:.1} s, \
-                 {:.2} req/s, {:.1} tok/s, TTFT {:.2} s, mean batch {:.1}, peak {:.0}",
+                "{} max batch {} prefix cache {} MiB KV budget {} MiB prefill {}/{} x{}: {} \
+                 requests in {:.1} s, {:.2} req/s, {:.1} tok/s, TTFT {:.2} s, gap p50/p95 \
+                 {:.0}/{:.0} ms, mean batch {:.1}, peak {:.0}",
                 r.name(),
                 r.max_batch,
                 r.prefix_cache_mib,
                 r.kv_budget_mib,
+                r.prefill_chunk,
+                r.prefill_tokens,
                 r.concurrency,
                 r.requests,
                 r.wall_secs,
                 r.requests_per_s,
                 r.tokens_per_s,
                 r.mean_ttft_s,
+                r.p50_itl_s * 1e3,
+                r.p95_itl_s * 1e3,
                 r.mean_batch,
                 r.peak_batch
             );

@@ -56,6 +56,12 @@ pub struct BenchRow {
     /// The server's KV budget, MiB (0: none).
     #[serde(default)]
     pub kv_budget_mib: f64,
+    /// The server's prefill chunk (positions per forward pass of a prompt) and prompt
+    /// positions prefilled per scheduler iteration (0: not recorded, or llama-server).
+    #[serde(default)]
+    pub prefill_chunk: usize,
+    #[serde(default)]
+    pub prefill_tokens: usize,
     /// Every request asked for per-token introspection (`"explain": true`).
     #[serde(default)]
     pub explain: bool,
@@ -157,6 +163,7 @@ pub async fn run(
                 max_batch: cfg.max_concurrency,
                 prefix_cache_mib: cfg.prefix_cache_mib,
                 kv_budget_mib: cfg.kv_budget_mib.unwrap_or(0.0),
+                prefill: (cfg.prefill_chunk, cfg.prefill_tokens),
                 explain,
             };
             rows.extend(levels(&target, opts, progress).await?);
@@ -186,6 +193,7 @@ pub async fn run_anchor(
         max_batch: parallel,
         prefix_cache_mib: 0.0,
         kv_budget_mib: 0.0,
+        prefill: (0, 0),
         explain: false,
     };
     levels(&target, opts, progress).await
@@ -202,6 +210,8 @@ struct Target<'a> {
     max_batch: usize,
     prefix_cache_mib: f64,
     kv_budget_mib: f64,
+    /// The prefill chunk and tokens per iteration ((0, 0): llama-server).
+    prefill: (usize, usize),
     explain: bool,
 }
 
@@ -259,6 +269,8 @@ async fn levels(
             max_batch: target.max_batch,
             prefix_cache_mib: target.prefix_cache_mib,
             kv_budget_mib: target.kv_budget_mib,
+            prefill_chunk: target.prefill.0,
+            prefill_tokens: target.prefill.1,
             explain: target.explain,
             concurrency: c,
             requests: n,
@@ -291,6 +303,12 @@ fn mode(r: &BenchRow) -> String {
     );
     if r.kv_budget_mib > 0.0 {
         m.push_str(&format!("-kv_budget-{}", r.kv_budget_mib));
+    }
+    if r.prefill_chunk > 0 && r.prefill_chunk != crate::model::DEFAULT_CHUNK {
+        m.push_str(&format!(
+            "-prefill_chunk-{}-prefill_tokens-{}",
+            r.prefill_chunk, r.prefill_tokens
+        ));
     }
     if r.explain {
         m.push_str("-explain");
@@ -480,8 +498,10 @@ pub fn write_report(
          Command: `{}`\n\nMachine: {}; wall time {wall:.0} s over all levels.\n\n\
          Mean and peak batch and the peak KV reserved are the server's own counters (peaks \
          sampled every 20 ms); llama-server's are not known (-). KV budget 0: none.\n\n\
-         | policy | max batch | prefix cache (MiB) | KV budget (MiB) | clients | requests | prompt tokens | requests/s | tokens/s | mean / peak batch | peak KV reserved (MiB) | TTFT p50 / p95 (s) | chunk gap p50 / p95 (ms) | mean KV peak per request (MiB) |\n\
-         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+         Prefill: positions per forward pass of a prompt / prompt positions prefilled \
+         between two decode steps.\n\n\
+         | policy | max batch | prefix cache (MiB) | KV budget (MiB) | prefill | clients | requests | prompt tokens | requests/s | tokens/s | mean / peak batch | peak KV reserved (MiB) | TTFT p50 / p95 (s) | chunk gap p50 / p95 (ms) | mean KV peak per request (MiB) |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
         model.name,
         made.command,
         machine(),
@@ -492,11 +512,12 @@ pub fn write_report(
         let known = r.policy != ANCHOR;
         let shown = |s: String| if known { s } else { "-".into() };
         md.push_str(&format!(
-            "| {} | {} | {} | {} | {} | {} | {} | {:.2} | {:.1} | {} | {} | {:.2} / {:.2} | {:.0} / {:.0} | {} |\n",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {:.2} | {:.1} | {} | {} | {:.2} / {:.2} | {:.0} / {:.0} | {} |\n",
             r.name(),
             r.max_batch,
             r.prefix_cache_mib,
             r.kv_budget_mib,
+            shown(format!("{} / {}", r.prefill_chunk, r.prefill_tokens)),
             r.concurrency,
             r.requests,
             r.prompt_tokens,
@@ -518,8 +539,13 @@ pub fn write_report(
             true => format!(", KV budget {} MiB", r.kv_budget_mib),
             false => String::new(),
         };
+        let prefill = match r.prefill_chunk {
+            0 => String::new(),
+            c if c == crate::model::DEFAULT_CHUNK => String::new(),
+            c => format!(", prefill chunk {c}"),
+        };
         format!(
-            "{}, max batch {}, prefix cache {} MiB{budget}",
+            "{}, max batch {}, prefix cache {} MiB{budget}{prefill}",
             r.name(),
             r.max_batch,
             r.prefix_cache_mib

@@ -51,6 +51,7 @@ pub struct RuntimeBuilder {
     policy: Option<Policy>,
     probe: Option<PathBuf>,
     base: Option<PathBuf>,
+    chunk: Option<usize>,
 }
 
 impl RuntimeBuilder {
@@ -78,6 +79,16 @@ impl RuntimeBuilder {
         self
     }
 
+    /// Positions per forward pass of a prompt's prefill, at least 1 [default:
+    /// [`crate::model::DEFAULT_CHUNK`]]. Every generation of the runtime (alone or in a
+    /// [`crate::policy::Scheduler`]'s batch) prefills in chunks of this size, so a
+    /// scheduler can run decode steps between any two of them; each size is its own
+    /// summation order (logits differ from another size's in the last bits).
+    pub fn prefill_chunk(mut self, chunk: usize) -> Self {
+        self.chunk = Some(chunk);
+        self
+    }
+
     /// Load the model and resolve the policy against it.
     pub fn build(self) -> Result<Runtime> {
         let path = self
@@ -88,7 +99,12 @@ impl RuntimeBuilder {
             policy = policy.with_probe(probe)?;
         }
         let id = ModelId::of_file(&path)?;
-        let lm = LoadedModel::load(&path, Numerics::Fast)?;
+        let mut lm = LoadedModel::load(&path, Numerics::Fast)?;
+        match self.chunk {
+            Some(0) => return Err(Error::invalid("prefill_chunk", "0 (must be at least 1)")),
+            Some(chunk) => lm.model.set_chunk(chunk),
+            None => {}
+        }
         let base = self.base.unwrap_or_else(|| PathBuf::from("."));
         let plan = Plan::resolve(&policy, lm.model.config(), &id, &base)?.with_text(&lm)?;
         Ok(Runtime {

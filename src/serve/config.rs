@@ -74,8 +74,12 @@ pub struct ServeConfig {
     /// no limit].
     pub kv_budget_mib: Option<f64>,
     /// Prompt tokens prefilled between two decode steps of the batch (whole chunks of
-    /// the model's prefill), so that a long prompt does not stall the running streams.
+    /// `prefill_chunk`), so that a long prompt does not stall the running streams.
     pub prefill_tokens: usize,
+    /// Positions per forward pass of a prompt's prefill: the finest step at which the
+    /// scheduler can run the batch's decode between two pieces of a long prompt
+    /// (smaller: shorter gaps in running streams, slower prefill).
+    pub prefill_chunk: usize,
     /// MiB of shared prompt prefixes kept so that requests starting with the same long
     /// text (one document, many questions) prefill it once per policy (0: off).
     pub prefix_cache_mib: f64,
@@ -130,6 +134,7 @@ impl Default for ServeConfig {
             max_queue: 16,
             kv_budget_mib: None,
             prefill_tokens: 256,
+            prefill_chunk: crate::model::DEFAULT_CHUNK,
             prefix_cache_mib: 256.0,
             max_body_bytes: 1 << 20,
             request_timeout_secs: 300.0,
@@ -210,6 +215,7 @@ impl ServeConfig {
             ("max_concurrency", self.max_concurrency, 1, MAX_CONCURRENCY),
             ("max_queue", self.max_queue, 0, MAX_QUEUE),
             ("prefill_tokens", self.prefill_tokens, 1, MAX_SIZE),
+            ("prefill_chunk", self.prefill_chunk, 1, MAX_SIZE),
             ("max_body_bytes", self.max_body_bytes, 1, MAX_BODY_BYTES),
             ("max_tokens_limit", self.max_tokens_limit, 1, MAX_SIZE),
             ("default_max_tokens", self.default_max_tokens, 1, MAX_SIZE),

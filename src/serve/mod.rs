@@ -56,7 +56,11 @@ pub fn load_engine(cfg: &ServeConfig) -> Result<Engine> {
         .as_ref()
         .ok_or_else(|| Error::invalid("model", "no model file given"))?;
     let base = &cfg.base_dir;
-    let full = Runtime::builder().model(model).base_dir(base).build()?;
+    let full = Runtime::builder()
+        .model(model)
+        .base_dir(base)
+        .prefill_chunk(cfg.prefill_chunk)
+        .build()?;
     let mut runtimes = BTreeMap::new();
     match &cfg.policies {
         Some(presets) => {
