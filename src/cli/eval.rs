@@ -43,6 +43,22 @@ pub enum EvalCommand {
         #[arg(long)]
         to: PathBuf,
     },
+    /// Perplexity with the KV cache in f32, f16 and q8_0, headwise's stores beside
+    /// `llama-perplexity -ctk/-ctv` on the same text: what fewer bits cost each engine.
+    KvQuant {
+        /// Folder with llama.cpp's `llama-server` and `llama-perplexity` [default: the
+        /// builds of ../shared/tools/build-llama-bench.sh under $HOME/.cache/llama-bench].
+        #[arg(long, env = "HEADWISE_LLAMA_BIN")]
+        llama_bin: Option<PathBuf>,
+        /// Data folder (the text is haystack/paul_graham there).
+        #[arg(long, env = "HEADWISE_DATA_DIR", default_value = "../shared/data")]
+        data_dir: PathBuf,
+        /// The result folder [default: eval/results/<model>/kv-quant].
+        #[arg(long)]
+        out: Option<PathBuf>,
+        #[command(flatten)]
+        model: ModelArgs,
+    },
     /// (Re)write the report of a KV-budget folder from its records.
     KvReport {
         /// The run folder (`eval/results/<model>/<name>`).
@@ -163,6 +179,32 @@ pub fn run(cmd: EvalCommand) -> anyhow::Result<()> {
             bar.finish_and_clear();
             eprintln!("{n} answers generated");
             kv_report(dir)
+        }
+        EvalCommand::KvQuant {
+            llama_bin,
+            data_dir,
+            out,
+            model,
+        } => {
+            use headwise::lab::kv_quant;
+            use headwise::reference::llama_cpp::LlamaCppBins;
+            let path = model.resolve()?;
+            let id = ModelId::of_file(&path)?;
+            let bins = LlamaCppBins::find(llama_bin.as_deref(), &path)?;
+            let numerics = model.numerics_or(Numerics::Fast);
+            let lm = LoadedModel::load(&path, numerics)?;
+            let made = Made::now(numerics.name());
+            let rows = kv_quant::run(&lm, &bins, &path, &data_dir, &mut |r| {
+                eprintln!("{} {}: perplexity {:.4}", r.engine, r.cache, r.ppl);
+            })?;
+            let dir = out.unwrap_or_else(|| {
+                PathBuf::from("eval/results")
+                    .join(&id.name)
+                    .join("kv-quant")
+            });
+            kv_quant::write_report(&dir, &id, &rows, &made)?;
+            eprintln!("wrote {}", dir.display());
+            Ok(())
         }
         EvalCommand::KvExamples { sweep, to } => {
             let mut spec = BudgetSpec::load(&sweep.spec)?;

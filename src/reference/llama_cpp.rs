@@ -169,6 +169,36 @@ impl LlamaCppBins {
         chunks: usize,
         threads: usize,
     ) -> Result<(f64, String)> {
+        let settings = (Attention::F32.flags(), Attention::F32.env());
+        self.perplexity_under(model, text_file, n_ctx, chunks, threads, settings)
+    }
+
+    /// [`LlamaCppBins::perplexity`] with flash attention and the KV cache in `cache`
+    /// (`f32`, `f16`, `q8_0`: `-fa on -ctk <cache> -ctv <cache>`), llama.cpp's kernels
+    /// otherwise as it chooses them.
+    pub fn perplexity_with_cache(
+        &self,
+        model: &Path,
+        text_file: &Path,
+        n_ctx: usize,
+        chunks: usize,
+        threads: usize,
+        cache: &str,
+    ) -> Result<(f64, String)> {
+        let flags = ["-fa", "on", "-ctk", cache, "-ctv", cache];
+        let settings = (&flags[..], Attention::Default.env());
+        self.perplexity_under(model, text_file, n_ctx, chunks, threads, settings)
+    }
+
+    fn perplexity_under(
+        &self,
+        model: &Path,
+        text_file: &Path,
+        n_ctx: usize,
+        chunks: usize,
+        threads: usize,
+        (flags, env): (&[&str], [(&str, &str); 1]),
+    ) -> Result<(f64, String)> {
         let out = wait::output_within(
             Command::new(self.bin("llama-perplexity"))
                 .arg("-m")
@@ -177,8 +207,8 @@ impl LlamaCppBins {
                 .arg(text_file)
                 .args(["-c", &n_ctx.to_string(), "-b", &n_ctx.to_string()])
                 .args(["--chunks", &chunks.to_string(), "-t", &threads.to_string()])
-                .args(Attention::F32.flags())
-                .envs(Attention::F32.env()),
+                .args(flags)
+                .envs(env),
             wait::setting(wait::LLAMA_TIMEOUT)?,
             "llama-perplexity",
             wait::LLAMA_TIMEOUT.0,
