@@ -2,7 +2,10 @@
 //! headwise's stores beside llama.cpp's own cache types on the same text and model.
 //!
 //! headwise runs [`perplexity_in`] with every store's rows in f32, f16 and q8_0;
-//! llama.cpp runs `llama-perplexity -fa on -ctk T -ctv T` for the same three types.
+//! llama.cpp runs `llama-perplexity -ctk T -ctv T` for the same three types, with flash
+//! attention for f16 and q8_0 (a quantized V cache needs it) and without it for f32 (its
+//! CPU flash attention computes in f16: under `-fa on` its f32 and f16 caches give the
+//! same perplexity).
 //! Each engine's rows are compared with its own f32 cache, so the two columns of
 //! relative change are the comparison (the engines' absolute perplexities differ a
 //! little: their kernels and, in headwise, the decode-step scoring differ).
@@ -158,8 +161,11 @@ pub fn write_report(dir: &Path, model: &ModelId, rows: &[Row], made: &Made) -> R
          does.\n\n\
          headwise: every KV head keeps every row in the format (a `quantize` policy's \
          stores), the scored half of each chunk run one decode step at a time so that each \
-         scored position reads every row as stored. llama.cpp: `llama-perplexity -fa on \
-         -ctk <cache> -ctv <cache>` from the same folder as the parity binaries. Compare \
+         scored position reads every row as stored. llama.cpp: `llama-perplexity -ctk \
+         <cache> -ctv <cache>`, with `-fa on` for f16 and q8_0 (a quantized V cache needs \
+         it) and `-fa off` for f32 (its CPU flash attention computes in f16: under `-fa \
+         on` its f32 and f16 caches give the same perplexity), from the same folder as the \
+         parity binaries. Compare \
          the two columns of change: each engine against its own f32 cache (the absolute \
          perplexities differ a little between the engines).\n\n{table}\n\
          Command: `{}` ({}).\n",

@@ -173,9 +173,10 @@ impl LlamaCppBins {
         self.perplexity_under(model, text_file, n_ctx, chunks, threads, settings)
     }
 
-    /// [`LlamaCppBins::perplexity`] with flash attention and the KV cache in `cache`
-    /// (`f32`, `f16`, `q8_0`: `-fa on -ctk <cache> -ctv <cache>`), llama.cpp's kernels
-    /// otherwise as it chooses them.
+    /// [`LlamaCppBins::perplexity`] with the KV cache in `cache` (`f16`, `q8_0`: `-fa on
+    /// -ctk <cache> -ctv <cache>`, as a quantized V cache needs flash attention; `f32`:
+    /// `-fa off`, since the CPU's flash attention computes in f16 whatever the cache
+    /// holds), llama.cpp's kernels otherwise as it chooses them.
     pub fn perplexity_with_cache(
         &self,
         model: &Path,
@@ -185,7 +186,8 @@ impl LlamaCppBins {
         threads: usize,
         cache: &str,
     ) -> Result<(f64, String)> {
-        let flags = ["-fa", "on", "-ctk", cache, "-ctv", cache];
+        let flash = if cache == "f32" { "off" } else { "on" };
+        let flags = ["-fa", flash, "-ctk", cache, "-ctv", cache];
         let settings = (&flags[..], Attention::Default.env());
         self.perplexity_under(model, text_file, n_ctx, chunks, threads, settings)
     }
