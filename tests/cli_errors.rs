@@ -541,6 +541,11 @@ fn bad_policies_fail_before_generation() {
         ("type = \"snapkv\"\ncompression_ratio = 1.5", "compression_ratio"),
         ("type = \"quantize\"\nformat = \"f32\"", "format"),
         ("type = \"quantize\"\nformat = \"q4_0\"", "q4_0"),
+        ("type = \"kvzip\"\ncompression_ratio = 0", "compression_ratio"),
+        (
+            "type = \"kvzip\"\ncompression_ratio = 0.5\nchunk_size = 0",
+            "chunk_size",
+        ),
     ];
     for (i, (text, needle)) in cases.iter().enumerate() {
         let p = dir.join(format!("p{i}.toml"));
@@ -635,4 +640,21 @@ fn a_bench_baseline_needs_a_name_of_its_own_and_an_existing_binary() {
     let (code, err) = headwise(&["bench".as_ref(), "--rounds".as_ref(), "0".as_ref()], &[]);
     assert_eq!(code, 2, "{err}");
     assert!(err.contains("1..=50") || err.contains("1..51"), "{err}");
+}
+
+#[test]
+fn kv_quant_without_llama_cpp_binaries_says_where_it_looked() {
+    let model = common::real_model();
+    let dir = tmp("no-llama-bin");
+    std::fs::create_dir_all(&dir).unwrap();
+    let args = [
+        "eval".as_ref(),
+        "kv-quant".as_ref(),
+        "--model".as_ref(),
+        model.as_os_str(),
+        "--llama-bin".as_ref(),
+        dir.as_os_str(),
+    ];
+    let (code, err) = headwise(&args, &[]);
+    assert_clean_error(code, &err, "llama-server");
 }
