@@ -669,6 +669,15 @@ pub fn write_report(dir: &Path) -> Result<Vec<ResultRecord>> {
              paired differences), and its compression ratio (1 - mean kv_fraction).\n\n{}\n",
             leaderboard::table(&rows)
         ));
+        let same = leaderboard::pairs(&scored, &rows);
+        if !same.is_empty() {
+            readme.push_str(&format!(
+                "Policies of different series that hold the same memory (compression ratios \
+                 within 0.005), compared on the examples both answered: the first's score \
+                 minus the second's, with a 95% interval of the paired differences.\n\n{}\n",
+                leaderboard::pairs_table(&same)
+            ));
+        }
         let name = format!("leaderboard-{ctx}");
         let svg = leaderboard::plot(&rows, &format!("score against compression ratio, {at}"))?;
         write_atomic(&dir.join(format!("{name}.svg")), svg.as_bytes())?;

@@ -91,6 +91,82 @@ pub(crate) fn rows(scored: &[Scored], order: &[(String, String)], full: &str) ->
     out
 }
 
+/// Rows whose compression ratios differ by at most this much hold the same memory.
+const SAME_RATIO: f64 = 0.005;
+
+/// Two policies of different series at the same compression ratio and context length:
+/// the first's mean score minus the second's on the examples both answered, and the
+/// half-width of its 95% interval (1.96 standard errors of the paired differences).
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Pair {
+    pub first: String,
+    pub second: String,
+    pub ratio: f64,
+    pub n: usize,
+    pub diff: (f64, f64),
+}
+
+/// Every pair of `rows` (one context length) from different series whose compression
+/// ratios agree within [`SAME_RATIO`], in row order, paired by (task, example).
+pub(crate) fn pairs(scored: &[Scored], rows: &[Row]) -> Vec<Pair> {
+    let score_of = |policy: &str, context: usize| -> BTreeMap<(&str, &str), f64> {
+        scored
+            .iter()
+            .filter(|s| s.policy == policy && s.context == context)
+            .map(|s| ((s.task.as_str(), s.example.as_str()), s.score))
+            .collect()
+    };
+    let mut out = Vec::new();
+    for (i, a) in rows.iter().enumerate() {
+        for b in &rows[i + 1..] {
+            if a.series == b.series || (a.ratio - b.ratio).abs() > SAME_RATIO {
+                continue;
+            }
+            let (sa, sb) = (
+                score_of(&a.policy, a.context),
+                score_of(&b.policy, b.context),
+            );
+            let diffs: Vec<f64> = sa
+                .iter()
+                .filter_map(|(k, x)| sb.get(k).map(|y| x - y))
+                .collect();
+            if diffs.is_empty() {
+                continue;
+            }
+            let (d, se) = mean_se(&diffs);
+            out.push(Pair {
+                first: a.policy.clone(),
+                second: b.policy.clone(),
+                ratio: (a.ratio + b.ratio) / 2.0,
+                n: diffs.len(),
+                diff: (d, 1.96 * se),
+            });
+        }
+    }
+    out
+}
+
+/// [`pairs`] as a Markdown table.
+pub(crate) fn pairs_table(pairs: &[Pair]) -> String {
+    let mut md = String::from(
+        "| policy | against | compression ratio | score difference (95% CI) | n |\n\
+         |---|---|---:|---:|---:|\n",
+    );
+    for p in pairs {
+        md.push_str(&format!(
+            "| {} | {} | {:.3} | {:+.3} ({:+.3} to {:+.3}) | {} |\n",
+            p.first,
+            p.second,
+            p.ratio,
+            p.diff.0,
+            p.diff.0 - p.diff.1,
+            p.diff.0 + p.diff.1,
+            p.n
+        ));
+    }
+    md
+}
+
 /// The rows of one context length as a Markdown table.
 pub(crate) fn table(rows: &[Row]) -> String {
     let mut md = String::from(
@@ -175,6 +251,44 @@ mod tests {
             kv_hot: 100,
             prefill_peak: 200,
         }
+    }
+
+    #[test]
+    fn policies_at_the_same_ratio_are_compared_on_the_examples_both_answered() {
+        let scored = vec![
+            s("a", "e1", "full", 1.0, 1.0),
+            s("a", "e2", "full", 1.0, 1.0),
+            s("a", "e3", "full", 1.0, 1.0),
+            s("a", "e1", "snap", 0.0, 0.5),
+            s("a", "e2", "snap", 1.0, 0.5),
+            s("a", "e3", "snap", 0.0, 0.5),
+            s("a", "e1", "zip", 1.0, 0.5),
+            s("a", "e2", "zip", 1.0, 0.5),
+            // e3 not answered by zip: left out of the pair
+            s("a", "e1", "half", 1.0, 0.25),
+            s("a", "e2", "half", 1.0, 0.25),
+        ];
+        let order = [
+            ("full", "full"),
+            ("snap", "snapkv"),
+            ("zip", "kvzip"),
+            ("half", "other"),
+        ]
+        .map(|(a, b)| (a.to_string(), b.to_string()));
+        let board = rows(&scored, &order, "full");
+        let got = pairs(&scored, &board);
+        // Only snap and zip hold the same memory (ratio 0.5); full (0) and half (0.75) differ.
+        assert_eq!(got.len(), 1);
+        let p = &got[0];
+        assert_eq!(
+            (p.first.as_str(), p.second.as_str(), p.n),
+            ("snap", "zip", 2)
+        );
+        // differences -1 and 0: mean -0.5, sd 0.707, se 0.5
+        assert!((p.diff.0 + 0.5).abs() < 1e-12);
+        assert!((p.diff.1 - 1.96 * 0.5).abs() < 1e-12);
+        assert!((p.ratio - 0.5).abs() < 1e-12);
+        assert!(pairs_table(&got).contains("| snap | zip | 0.500 | -0.500"));
     }
 
     #[test]
