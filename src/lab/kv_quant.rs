@@ -61,31 +61,23 @@ pub fn run(
     let text_file = std::env::temp_dir().join(format!("headwise-kvq-{}.txt", std::process::id()));
     std::fs::write(&text_file, &text).map_err(|e| Error::io(&text_file, e))?;
     let mut rows = Vec::new();
-    let mut push = |row: Row, rows: &mut Vec<Row>| {
-        progress(&row);
-        rows.push(row);
-    };
     let result = (|| -> Result<()> {
         for (cache, format) in FORMATS {
             let bytes_per_value = format.bytes(32, 1) as f64 / 32.0;
-            let ppl = perplexity_in(&lm.model, &ids, PPL_CTX, PPL_CHUNKS, bos, format)?;
-            let row = Row {
-                engine: "headwise",
-                cache,
-                ppl,
-                bytes_per_value,
-            };
-            push(row, &mut rows);
-            let (ppl, _) = bins.perplexity_with_cache(
+            let ours = perplexity_in(&lm.model, &ids, PPL_CTX, PPL_CHUNKS, bos, format)?;
+            let (theirs, _) = bins.perplexity_with_cache(
                 model_path, &text_file, PPL_CTX, PPL_CHUNKS, threads, cache,
             )?;
-            let row = Row {
-                engine: "llama.cpp",
-                cache,
-                ppl,
-                bytes_per_value,
-            };
-            push(row, &mut rows);
+            for (engine, ppl) in [("headwise", ours), ("llama.cpp", theirs)] {
+                let row = Row {
+                    engine,
+                    cache,
+                    ppl,
+                    bytes_per_value,
+                };
+                progress(&row);
+                rows.push(row);
+            }
         }
         Ok(())
     })();
