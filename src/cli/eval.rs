@@ -12,7 +12,7 @@ use headwise::lock::OutputLock;
 use headwise::model::{LoadedModel, ModelId, Numerics};
 use headwise::provenance::Made;
 
-use super::ModelArgs;
+use super::{LlamaCppArgs, ModelArgs};
 
 #[derive(Subcommand, Debug)]
 pub enum EvalCommand {
@@ -46,13 +46,8 @@ pub enum EvalCommand {
     /// Perplexity with the KV cache in f32, f16 and q8_0, headwise's stores beside
     /// `llama-perplexity -ctk/-ctv` on the same text: what fewer bits cost each engine.
     KvQuant {
-        /// Folder with llama.cpp's `llama-server` and `llama-perplexity` [default: the
-        /// builds of ../shared/tools/build-llama-bench.sh under $HOME/.cache/llama-bench].
-        #[arg(long, env = "HEADWISE_LLAMA_BIN")]
-        llama_bin: Option<PathBuf>,
-        /// Data folder (the text is haystack/paul_graham there).
-        #[arg(long, env = "HEADWISE_DATA_DIR", default_value = "../shared/data")]
-        data_dir: PathBuf,
+        #[command(flatten)]
+        llama: LlamaCppArgs,
         /// The result folder [default: eval/results/<model>/kv-quant].
         #[arg(long)]
         out: Option<PathBuf>,
@@ -180,21 +175,16 @@ pub fn run(cmd: EvalCommand) -> anyhow::Result<()> {
             eprintln!("{n} answers generated");
             kv_report(dir)
         }
-        EvalCommand::KvQuant {
-            llama_bin,
-            data_dir,
-            out,
-            model,
-        } => {
+        EvalCommand::KvQuant { llama, out, model } => {
             use headwise::lab::kv_quant;
             use headwise::reference::llama_cpp::LlamaCppBins;
             let path = model.resolve()?;
             let id = ModelId::of_file(&path)?;
-            let bins = LlamaCppBins::find(llama_bin.as_deref(), &path)?;
+            let bins = LlamaCppBins::find(llama.llama_bin.as_deref(), &path)?;
             let numerics = model.numerics_or(Numerics::Fast);
             let lm = LoadedModel::load(&path, numerics)?;
             let made = Made::now(numerics.name());
-            let rows = kv_quant::run(&lm, &bins, &path, &data_dir, &mut |r| {
+            let rows = kv_quant::run(&lm, &bins, &path, &llama.data_dir, &mut |r| {
                 eprintln!("{} {}: perplexity {:.4}", r.engine, r.cache, r.ppl);
             })?;
             let dir = out.unwrap_or_else(|| {

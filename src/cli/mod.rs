@@ -64,6 +64,19 @@ enum Command {
     BenchWorker(bench::WorkerArgs),
 }
 
+/// Where llama.cpp's binaries and the perplexity text are, shared by the commands that
+/// run llama.cpp beside headwise (`parity`, `eval kv-quant`).
+#[derive(Args, Debug, Clone)]
+pub struct LlamaCppArgs {
+    /// Folder with llama.cpp's `llama-server` and `llama-perplexity` [default: the
+    /// builds of ../shared/tools/build-llama-bench.sh under $HOME/.cache/llama-bench].
+    #[arg(long, env = "HEADWISE_LLAMA_BIN")]
+    pub llama_bin: Option<PathBuf>,
+    /// Data folder (the perplexity text is haystack/paul_graham there).
+    #[arg(long, env = "HEADWISE_DATA_DIR", default_value = "../shared/data")]
+    pub data_dir: PathBuf,
+}
+
 /// Which model file to use, shared by every subcommand that loads one.
 #[derive(Args, Debug, Clone)]
 pub struct ModelArgs {

@@ -17,7 +17,7 @@ use headwise::reference::parity::{self, ParityReport, PromptParity};
 use headwise::reference::parity::{Divergence, GREEDY_TOKENS};
 use headwise::results::{recorder, write_experiment, ResultRecord};
 
-use super::ModelArgs;
+use super::{LlamaCppArgs, ModelArgs};
 
 /// The engine compared against.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -91,14 +91,8 @@ pub struct ParityArgs {
     /// The engine to compare against.
     #[arg(long, value_enum, default_value_t = Reference::Auto)]
     reference: Reference,
-    /// Folder with llama.cpp's `llama-server` and `llama-perplexity` [default: the
-    /// builds of ../shared/tools/build-llama-bench.sh under $HOME/.cache/llama-bench].
-    #[arg(long, env = "HEADWISE_LLAMA_BIN")]
-    llama_bin: Option<PathBuf>,
-    /// Data folder (llama.cpp parity reads its perplexity text from
-    /// haystack/paul_graham there).
-    #[arg(long, env = "HEADWISE_DATA_DIR", default_value = "../shared/data")]
-    data_dir: PathBuf,
+    #[command(flatten)]
+    llama: LlamaCppArgs,
     /// Also write the report (README.md + summary.json) into this folder, e.g.
     /// eval/results/SmolLM2-135M-Instruct.Q4_1/parity.
     #[arg(long)]
@@ -301,7 +295,7 @@ fn run_llama_cpp(
     numerics: Numerics,
     started: std::time::Instant,
 ) -> anyhow::Result<bool> {
-    let bins = LlamaCppBins::find(args.llama_bin.as_deref(), path)?;
+    let bins = LlamaCppBins::find(args.llama.llama_bin.as_deref(), path)?;
     eprintln!(
         "llama.cpp binaries: {} (built for the {} path; ggml numerics follow it)",
         bins.dir().display(),
@@ -322,7 +316,7 @@ fn run_llama_cpp(
         "perplexity: llama-perplexity and headwise on {PPL_CHUNKS} chunks of {PPL_CTX} tokens ..."
     );
     let mut printed_header = false;
-    let report = llama_cpp::run(&mut ours, &bins, path, &args.data_dir, &mut |p| {
+    let report = llama_cpp::run(&mut ours, &bins, path, &args.llama.data_dir, &mut |p| {
         if !printed_header {
             table.iter().for_each(|l| println!("{l}"));
             printed_header = true;
