@@ -192,7 +192,7 @@ pub fn run(cmd: EvalCommand) -> anyhow::Result<()> {
                     .join(&id.name)
                     .join("kv-quant")
             });
-            kv_quant::write_report(&dir, &id, &rows, &made)?;
+            kv_quant::write_report(&dir, &id, bins.dir(), &rows, &made)?;
             eprintln!("wrote {}", dir.display());
             Ok(())
         }

@@ -93,8 +93,15 @@ fn change(rows: &[Row], row: &Row) -> Option<f64> {
     Some(row.ppl / base.ppl - 1.0)
 }
 
-/// Write the report (README.md, records) of `rows` into `dir`.
-pub fn write_report(dir: &Path, model: &ModelId, rows: &[Row], made: &Made) -> Result<()> {
+/// Write the report (README.md, records) of `rows` into `dir`; `llama` is the folder of
+/// the llama.cpp binaries that ran.
+pub fn write_report(
+    dir: &Path,
+    model: &ModelId,
+    llama: &Path,
+    rows: &[Row],
+    made: &Made,
+) -> Result<()> {
     let scored = PPL_CHUNKS * (PPL_CTX - PPL_CTX / 2 - 1);
     let mut records = Vec::new();
     let mut table = String::from(
@@ -156,14 +163,14 @@ pub fn write_report(dir: &Path, model: &ModelId, rows: &[Row], made: &Made) -> R
          scored position reads every row as stored. llama.cpp: `llama-perplexity -ctk \
          <cache> -ctv <cache>`, with `-fa on` for f16 and q8_0 (a quantized V cache needs \
          it) and `-fa off` for f32 (its CPU flash attention computes in f16: under `-fa \
-         on` its f32 and f16 caches give the same perplexity), from the same folder as the \
-         parity binaries. Compare \
+         on` its f32 and f16 caches give the same perplexity), binaries of `{}`. Compare \
          the two columns of change: each engine against its own f32 cache (the absolute \
          perplexities differ a little between the engines).\n\n{table}\n\
          Command: `{}` ({}).\n",
         model.name,
         model.sha256,
         PPL_CHUNKS * PPL_CTX,
+        llama.display(),
         made.command,
         machine(),
     );

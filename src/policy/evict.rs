@@ -215,16 +215,26 @@ impl Eviction {
             }
             layers.push((layer, heads, scores));
         }
+        let ratio = self.compression_ratio;
+        let scores = layers.iter().map(|l| l.2.as_slice());
         let kept: Vec<Vec<Vec<usize>>> = match self.budget {
-            Budget::Global => {
-                let all: Vec<&[Vec<f32>]> = layers.iter().map(|l| l.2.as_slice()).collect();
-                global_rows(&all, self.compression_ratio)
-            }
-            _ => layers
-                .iter()
-                .enumerate()
-                .map(|(depth, l)| self.layer_rows(&l.2, depth, pressed.len()))
+            Budget::PerHead => scores
+                .map(|l| {
+                    l.iter()
+                        .map(|s| best_rows(s, kept_rows(s.len(), ratio)))
+                        .collect()
+                })
                 .collect(),
+            Budget::Pyramid { window, beta } => scores
+                .enumerate()
+                .map(|(depth, l)| {
+                    let n = l.first().map_or(0, Vec::len);
+                    let keep = pyramid_budget(n, ratio, window, beta, depth, pressed.len());
+                    l.iter().map(|s| best_rows(s, keep)).collect()
+                })
+                .collect(),
+            Budget::Shared { alpha } => scores.map(|l| shared_rows(l, ratio, alpha)).collect(),
+            Budget::Global => global_rows(&scores.collect::<Vec<_>>(), ratio),
         };
         for ((layer, heads, _), kept) in layers.iter().zip(&kept) {
             for (&kv_head, rows) in heads.iter().zip(kept) {
@@ -232,26 +242,6 @@ impl Eviction {
             }
         }
         Ok(())
-    }
-
-    /// The rows each head of pressed layer `depth` of `layers` keeps, from its heads'
-    /// `scores`, under a budget set per layer.
-    fn layer_rows(&self, scores: &[Vec<f32>], depth: usize, layers: usize) -> Vec<Vec<usize>> {
-        let ratio = self.compression_ratio;
-        match self.budget {
-            Budget::PerHead => scores
-                .iter()
-                .map(|s| best_rows(s, kept_rows(s.len(), ratio)))
-                .collect(),
-            Budget::Pyramid { window, beta } => {
-                let n = scores.first().map_or(0, Vec::len);
-                let keep = pyramid_budget(n, ratio, window, beta, depth, layers);
-                scores.iter().map(|s| best_rows(s, keep)).collect()
-            }
-            Budget::Shared { alpha } => shared_rows(scores, ratio, alpha),
-            // One layer's part of the one threshold, when asked for alone.
-            Budget::Global => global_rows(&[scores], ratio).remove(0),
-        }
     }
 }
 

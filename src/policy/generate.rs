@@ -82,11 +82,15 @@ impl Prefilled {
         }
         let kv = session.into_cache();
         let mut fork = 0;
-        let chunk = observes.iter().find_map(|o| match o {
-            Observe::Reconstruct { chunk } => Some(*chunk),
-            _ => None,
-        });
-        if let (Some(chunk), false) = (chunk, head.is_empty()) {
+        // A prompt of one token has nothing before it to re-read.
+        let reconstruct_in = observes
+            .iter()
+            .find_map(|o| match o {
+                Observe::Reconstruct { chunk } => Some(*chunk),
+                _ => None,
+            })
+            .filter(|_| !head.is_empty());
+        if let Some(chunk) = reconstruct_in {
             let repeat = repeat.ok_or_else(|| {
                 Error::invalid(
                     "policy",
@@ -96,7 +100,7 @@ impl Prefilled {
             })?;
             fork = reconstruct(model, edits, &kv, head, chunk, repeat, &mut sums)?;
         }
-        let observed = from < head.len() || (chunk.is_some() && !head.is_empty());
+        let observed = from < head.len() || reconstruct_in.is_some();
         Ok(Self {
             kv,
             edits: edits.clone(),

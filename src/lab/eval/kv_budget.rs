@@ -310,6 +310,8 @@ pub fn run(
                 .map_err(|e| Error::invalid("policy", format!("`{}`: {e}", p.name)))
         })
         .collect::<Result<_>>()?;
+    // What a press that re-reads the context feeds the model (the same for every plan).
+    let repeat = plans.iter().find_map(|(_, p)| p.repeat.as_deref());
     let mut info = BudgetRun {
         schema_version: BUDGET_SCHEMA_VERSION,
         spec: spec.clone(),
@@ -427,7 +429,6 @@ pub fn run(
             .map(|(&key, observes)| {
                 let pre = &ex.prompt[..key.0];
                 let edits = Interventions::new();
-                let repeat = plans.iter().find_map(|(_, p)| p.repeat.as_deref());
                 Prefilled::observed(&lm.model, &edits, pre, capacity, observes, repeat)
                     .map(|p| (key, p))
             })

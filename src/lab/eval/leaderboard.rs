@@ -146,6 +146,11 @@ pub(crate) fn pairs(scored: &[Scored], rows: &[Row]) -> Vec<Pair> {
     out
 }
 
+/// A difference and the half-width of its interval as `+d (+lo to +hi)`.
+fn interval((d, half): (f64, f64)) -> String {
+    format!("{d:+.3} ({:+.3} to {:+.3})", d - half, d + half)
+}
+
 /// [`pairs`] as a Markdown table.
 pub(crate) fn pairs_table(pairs: &[Pair]) -> String {
     let mut md = String::from(
@@ -154,13 +159,11 @@ pub(crate) fn pairs_table(pairs: &[Pair]) -> String {
     );
     for p in pairs {
         md.push_str(&format!(
-            "| {} | {} | {:.3} | {:+.3} ({:+.3} to {:+.3}) | {} |\n",
+            "| {} | {} | {:.3} | {} | {} |\n",
             p.first,
             p.second,
             p.ratio,
-            p.diff.0,
-            p.diff.0 - p.diff.1,
-            p.diff.0 + p.diff.1,
+            interval(p.diff),
             p.n
         ));
     }
@@ -180,14 +183,12 @@ pub(crate) fn table(rows: &[Row]) -> String {
             "-".into()
         };
         md.push_str(&format!(
-            "| {} | {:.3} | {:.3} | {:.3} | {:+.3} ({:+.3} to {:+.3}) | {relative} | {:.2} | {:.2} | {} |\n",
+            "| {} | {:.3} | {:.3} | {:.3} | {} | {relative} | {:.2} | {:.2} | {} |\n",
             r.policy,
             r.ratio,
             r.score,
             r.full_score,
-            r.diff.0,
-            r.diff.0 - r.diff.1,
-            r.diff.0 + r.diff.1,
+            interval(r.diff),
             r.kv_hot / 1048576.0,
             r.prefill_peak / 1048576.0,
             r.n

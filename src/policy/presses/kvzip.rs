@@ -14,10 +14,10 @@
 //! default, `layerwise = false`), so layers and heads keep different amounts; with
 //! `layerwise = true` each layer keeps the same share, chosen across its heads.
 //!
-//! Differences from kvpress, both small: the scores are the model's own attention,
-//! whose softmax runs over every cached position (kvpress recomputes it over the sinks,
-//! the chunk and the repeat only), and the chat template's opening positions are scored
-//! like the rest (kvpress scores them 0 beyond the sinks). The copy of the cache costs
+//! One difference from kvpress: the scores are the model's own attention, whose softmax
+//! runs over every cached position (kvpress recomputes it over the sinks, the chunk and
+//! the repeat only). As in kvpress, the chat template's opening is not re-read, so its
+//! positions beyond the sinks score 0. The copy of the cache costs
 //! one more context's KV during the prefill, counted in the prefill's peak bytes, and
 //! the reconstruction costs about one more prefill.
 //!
