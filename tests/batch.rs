@@ -4,7 +4,8 @@
 //! and leave it at different steps; every step's logits and observed hidden states
 //! must be bit-identical to the same sequence run alone through `Session::step`, in
 //! every numerics, on tiny llama and Gemma 3 models whose matrices are stored in
-//! quantized blocks (so the integer kernels run, as on a real model file).
+//! quantized blocks (so the integer kernels run, as on a real model file). And
+//! `generate_batch` gives every job the tokens and logits `generate` gives it alone.
 
 mod common;
 
@@ -12,8 +13,9 @@ use candle_core::quantized::GgmlDType;
 use candle_core::Tensor;
 use common::{tiny_config, tiny_gemma_config, Weights};
 use headwise::model::{
-    argmax, step_batch, BatchStep, Cache, Config, HeadCache, Interventions, KvCache, Model,
-    NoObserver, Numerics, OutputEdit, Recorder, Retention, RowFormat, Session, TopK, Wants,
+    argmax, generate, generate_batch, step_batch, BatchStep, Cache, Config, GenerateOptions,
+    HeadCache, Interventions, KvCache, Model, NoObserver, Numerics, OutputEdit, Recorder,
+    Retention, RowFormat, Session, TopK, Wants,
 };
 
 /// A llama whose every matrix width is whole 32-value blocks.
@@ -331,4 +333,57 @@ fn a_bad_row_fails_the_batch_before_any_cache_changes() {
     assert!(err.contains("outside the vocabulary"), "{err}");
     drop(batch);
     assert_eq!((sa.position(), sb.position()), (0, 0));
+}
+
+#[test]
+fn generate_batch_gives_each_job_what_generate_gives_it_alone() {
+    for (arch, cfg) in [("llama", llama()), ("gemma", gemma())] {
+        let w = Weights::random(cfg.clone(), 43);
+        for numerics in [Numerics::Fast, Numerics::Reference, Numerics::Ggml] {
+            let model = w.model_as(numerics, GgmlDType::Q4_1);
+            let seqs = seqs(&cfg);
+            let opts = GenerateOptions {
+                max_new: 9,
+                ..GenerateOptions::default()
+            };
+            // Sequence i stops itself after `seq.steps` tokens (9 is the limit), so
+            // sequences leave the batch at different steps.
+            let alone: Vec<(Vec<u32>, Vec<Vec<f32>>)> = seqs
+                .iter()
+                .map(|s| {
+                    let mut logits = Vec::new();
+                    let g = generate(
+                        &model,
+                        &s.prompt,
+                        &opts,
+                        &mut NoObserver,
+                        &s.edits,
+                        &mut |_, l| {
+                            logits.push(row(l));
+                            logits.len() < s.steps
+                        },
+                    )
+                    .unwrap();
+                    (g.tokens, logits)
+                })
+                .collect();
+            let jobs: Vec<(&[u32], &Interventions)> = seqs
+                .iter()
+                .map(|s| (s.prompt.as_slice(), &s.edits))
+                .collect();
+            let mut logits = vec![Vec::new(); seqs.len()];
+            let batched = generate_batch(&model, &jobs, &opts, &mut |i, _, l| {
+                logits[i].push(row(l));
+                logits[i].len() < seqs[i].steps
+            })
+            .unwrap();
+            for (i, (a, g)) in alone.iter().zip(&batched).enumerate() {
+                let name = format!("{arch} {numerics:?} sequence {i}");
+                assert_eq!(a.0.len(), seqs[i].steps.min(9), "{name}: tokens");
+                assert_eq!(a.0, g.tokens, "{name}: tokens");
+                assert!(a.1 == logits[i], "{name}: logits differ");
+                assert_eq!(g.prompt_tokens, seqs[i].prompt.len(), "{name}");
+            }
+        }
+    }
 }

@@ -1,6 +1,7 @@
 //! The eval runner on the real model: an interrupted and resumed run summarises exactly
-//! like an uninterrupted one, shards merge to the same summary, and a folder holding a
-//! run of another spec, or one made on another CPU, is refused.
+//! like an uninterrupted one, shards merge to the same summary, answers batched by 2, 3
+//! or 7 are those answered one at a time, and a folder holding a run of another spec, or
+//! one made on another CPU, is refused.
 
 mod common;
 
@@ -69,11 +70,12 @@ fn made() -> Made {
     }
 }
 
-fn run(lm: &LoadedModel, id: &ModelId, dir: &Path, shard: Shard) -> usize {
+fn run(lm: &LoadedModel, id: &ModelId, dir: &Path, shard: Shard, batch: usize) -> usize {
     let opts = RunOptions {
         out_dir: dir.to_path_buf(),
         limit: None,
         shard,
+        batch,
         made: made(),
     };
     let runner = Runner::prepare(spec(), lm, id, opts).unwrap();
@@ -92,7 +94,7 @@ fn resumed_and_sharded_runs_summarise_like_an_uninterrupted_one() {
     let lm = LoadedModel::load(&path, Numerics::Fast).unwrap();
 
     let whole = scratch("whole");
-    let generated = run(&lm, &id, &whole, Shard::ALL);
+    let generated = run(&lm, &id, &whole, Shard::ALL, 1);
     assert!(generated >= 5, "at least the baselines: {generated}");
     let want = summary(&whole);
     assert!(want.contains("\"kept_fraction\""), "{want}");
@@ -114,7 +116,7 @@ fn resumed_and_sharded_runs_summarise_like_an_uninterrupted_one() {
         &lines[2][..lines[2].len() / 2]
     );
     std::fs::write(cut.join("records.jsonl"), partial).unwrap();
-    let again = run(&lm, &id, &cut, Shard::ALL);
+    let again = run(&lm, &id, &cut, Shard::ALL, 3);
     assert_eq!(
         again,
         generated - 2,
@@ -122,12 +124,13 @@ fn resumed_and_sharded_runs_summarise_like_an_uninterrupted_one() {
     );
     assert_eq!(summary(&cut), want);
     // Running a complete folder again generates nothing.
-    assert_eq!(run(&lm, &id, &cut, Shard::ALL), 0);
+    assert_eq!(run(&lm, &id, &cut, Shard::ALL, 3), 0);
 
-    // Two shards into one folder merge to the same summary.
+    // Two shards into one folder merge to the same summary (and batches of 7 and 2 give
+    // the answers of batches of 1).
     let sharded = scratch("shards");
-    let a = run(&lm, &id, &sharded, Shard::parse("0/2").unwrap());
-    let b = run(&lm, &id, &sharded, Shard::parse("1/2").unwrap());
+    let a = run(&lm, &id, &sharded, Shard::parse("0/2").unwrap(), 7);
+    let b = run(&lm, &id, &sharded, Shard::parse("1/2").unwrap(), 2);
     assert_eq!(a + b, generated);
     assert_eq!(summary(&sharded), want);
 
@@ -153,6 +156,7 @@ fn a_changed_spec_does_not_mix_into_an_old_run() {
         out_dir: dir.to_path_buf(),
         limit: None,
         shard: Shard::ALL,
+        batch: 4,
         made: made(),
     };
     Runner::prepare(s.clone(), &lm, &id, opts(&dir))

@@ -24,6 +24,10 @@ pub enum EvalCommand {
         /// the shards' records.
         #[arg(long)]
         shard: Option<String>,
+        /// Answers generated at once: one decode step for all of them, each with the
+        /// tokens it gets alone (more memory: one cache each).
+        #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u64).range(1..=256))]
+        batch: u64,
     },
     /// (Re)write `summary.json`, `README.md` and plots from a run folder's records (all
     /// shards).
@@ -103,6 +107,7 @@ pub fn run(cmd: EvalCommand) -> anyhow::Result<()> {
                     model,
                 },
             shard,
+            batch,
         } => {
             let mut spec = EvalSpec::load(&spec)?;
             if data_dir.is_some() {
@@ -127,6 +132,7 @@ pub fn run(cmd: EvalCommand) -> anyhow::Result<()> {
                 out_dir,
                 limit,
                 shard,
+                batch: batch as usize,
                 made: Made::now(numerics.name()),
             };
             let runner = Runner::prepare(spec, &lm, &id, opts)?;

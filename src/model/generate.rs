@@ -5,13 +5,18 @@
 //! observation except for its last token, which runs as its own step: so step `t` of the
 //! observer is the forward pass whose logits produced generated token `t` (what the
 //! retrieval-head scorers need).
+//!
+//! [`generate_batch`] runs several unobserved generations at once, one batched decode
+//! step for all of them per token, each with the tokens [`generate`] gives it alone.
 
 use std::time::Instant;
 
 use candle_core::Tensor;
 use rand::{Rng, SeedableRng};
 
-use crate::model::{argmax, Interventions, Model, NoObserver, Observer, Session};
+use crate::model::{
+    argmax, step_batch, BatchStep, Interventions, KvCache, Model, NoObserver, Observer, Session,
+};
 use crate::{Error, Result};
 
 /// How the next token is chosen.
@@ -245,6 +250,111 @@ pub fn generate(
         prefill_secs,
         decode_secs: t1.elapsed().as_secs_f64(),
     })
+}
+
+/// One sequence of a [`generate_batch`] while it runs.
+struct Running<'m, 'e> {
+    session: Session<'m>,
+    sampler: Sampler,
+    observer: NoObserver,
+    edits: &'e Interventions,
+    /// The logits the next token is drawn from.
+    logits: Tensor,
+    tokens: Vec<u32>,
+    stop: Option<StopReason>,
+    prompt_tokens: usize,
+    prefill_secs: f64,
+    decode_secs: f64,
+}
+
+/// Generate from several prompts, each under its own `edits` into its own fresh cache,
+/// decoding them together: each prompt is prefilled alone (whole, as [`generate`] does
+/// without an observer), then every unfinished sequence advances by one token per
+/// batched step ([`step_batch`]: the weights read once per step for all of them). Each
+/// sequence's tokens, and the logits `(1, vocab)` they were drawn from, are the same
+/// bits as [`generate`]'s with [`NoObserver`] and the same options, whatever else is in
+/// the batch. `on_token(i, token, logits)` is called with sequence `i`'s tokens and may
+/// return `false` to stop that sequence alone. One [`Generation`] per job, in order;
+/// its `decode_secs` is the batch's wall time until that sequence ended.
+pub fn generate_batch(
+    model: &Model,
+    jobs: &[(&[u32], &Interventions)],
+    opts: &GenerateOptions,
+    on_token: &mut dyn FnMut(usize, u32, &Tensor) -> bool,
+) -> Result<Vec<Generation>> {
+    let cfg = model.config();
+    for (prompt, _) in jobs {
+        opts.check(prompt.len(), cfg.context_length)?;
+    }
+    let mut seqs = Vec::with_capacity(jobs.len());
+    for &(prompt, edits) in jobs {
+        let t0 = Instant::now();
+        let mut session = Session::new(model, prompt.len() + opts.max_new);
+        let logits = session.prefill(prompt, &mut NoObserver, edits)?;
+        seqs.push(Running {
+            session,
+            sampler: Sampler::new(opts.sampling)?,
+            observer: NoObserver,
+            edits,
+            logits,
+            tokens: Vec::with_capacity(opts.max_new),
+            stop: None,
+            prompt_tokens: prompt.len(),
+            prefill_secs: t0.elapsed().as_secs_f64(),
+            decode_secs: 0.0,
+        });
+    }
+    let t1 = Instant::now();
+    loop {
+        for (i, s) in seqs.iter_mut().enumerate() {
+            if s.stop.is_some() {
+                continue;
+            }
+            let next = s.sampler.sample(&s.logits)?;
+            s.tokens.push(next);
+            s.stop = if !on_token(i, next, &s.logits) {
+                Some(StopReason::Cancelled)
+            } else if opts.stop.contains(&next) {
+                Some(StopReason::Stop)
+            } else if s.tokens.len() == opts.max_new {
+                Some(StopReason::Length)
+            } else {
+                None
+            };
+            if s.stop.is_some() {
+                s.decode_secs = t1.elapsed().as_secs_f64();
+            }
+        }
+        let mut batch: Vec<BatchStep<'_, '_, KvCache>> = seqs
+            .iter_mut()
+            .filter(|s| s.stop.is_none())
+            .map(|s| BatchStep {
+                session: &mut s.session,
+                token: s.tokens[s.tokens.len() - 1],
+                observer: &mut s.observer,
+                edits: s.edits,
+            })
+            .collect();
+        if batch.is_empty() {
+            break;
+        }
+        let logits = step_batch(&mut batch)?;
+        drop(batch);
+        let live = seqs.iter_mut().filter(|s| s.stop.is_none());
+        for (s, l) in live.zip(logits) {
+            s.logits = l;
+        }
+    }
+    Ok(seqs
+        .into_iter()
+        .map(|s| Generation {
+            tokens: s.tokens,
+            stop: s.stop.unwrap_or(StopReason::Length),
+            prompt_tokens: s.prompt_tokens,
+            prefill_secs: s.prefill_secs,
+            decode_secs: s.decode_secs,
+        })
+        .collect())
 }
 
 /// Entropy (nats) of the softmax of `logits`.

@@ -21,7 +21,9 @@ pub mod transformer;
 pub use cache::{HeadCache, KvBytes, KvCache, Retention, RowFormat, TopK};
 pub use config::{Architecture, Config, LayerSpec, RopeStyle, SlidingWindow};
 pub use file::gguf::{GgufFile, ModelId};
-pub use generate::{entropy, generate, GenerateOptions, Generation, Sampler, Sampling, StopReason};
+pub use generate::{
+    entropy, generate, generate_batch, GenerateOptions, Generation, Sampler, Sampling, StopReason,
+};
 pub use intervene::{HeadEdit, Interventions, KeyRestriction, OutputEdit, QueryEdit};
 pub use loaded::{LoadedModel, TextStream};
 pub use numerics::{Linear, Numerics};

@@ -1,7 +1,9 @@
 //! Running an experiment: build every example, resolve head selections and calibration
 //! (all checks before any generation), then answer each example once unablated and once
 //! per (selection, seed, k), appending one JSON line per answer so that an interrupted
-//! run resumes where it stopped.
+//! run resumes where it stopped. Answers are generated in batches
+//! ([`generate_batch`](crate::model::generate_batch)): each prompt prefilled alone, their
+//! decode steps run together, every answer's tokens those it gets alone.
 //!
 //! ## Files in the output folder
 //!
@@ -33,7 +35,7 @@ use crate::lab::eval::spec::{EvalSpec, Seeds, TaskEntry, TaskSource};
 use crate::lab::eval::Example;
 use crate::lab::tasks::{self, Encoder, Haystack, TaskSpec};
 use crate::metrics::Metric;
-use crate::model::{generate, GenerateOptions, Interventions, LoadedModel, ModelId, NoObserver};
+use crate::model::{generate_batch, GenerateOptions, Interventions, LoadedModel, ModelId};
 use crate::policy::ablation::{Calibration, HeadSet};
 use crate::policy::ranking::Ranking;
 use crate::provenance::Made;
@@ -133,7 +135,8 @@ pub struct ExampleRecord {
     /// Controls only: whether the unablated model answered correctly (only such items
     /// are ablated).
     pub kept: Option<bool>,
-    /// Seconds this answer took.
+    /// Seconds this answer took: its share of its batch's wall time (answers generated
+    /// together share their batch's time equally).
     pub secs: f64,
 }
 
@@ -210,6 +213,9 @@ pub struct RunOptions {
     pub limit: Option<usize>,
     /// Which examples this process runs.
     pub shard: Shard,
+    /// Answers generated at once (one batched decode step for all of them; the same
+    /// tokens as one at a time).
+    pub batch: usize,
     /// Provenance of the files the run writes (its numerics: the model's).
     pub made: Made,
 }
@@ -229,6 +235,30 @@ struct TaskPlan {
     examples: Vec<Example>,
     /// Indices into [`Runner::settings`] (the baseline excluded).
     settings: Vec<usize>,
+}
+
+/// One answer to generate: an example under one setting's edits.
+struct Unit<'a> {
+    ex: &'a Example,
+    key: Key,
+    edits: &'a Interventions,
+}
+
+/// Where a run's answers go: the records file, the counts, the progress bar.
+struct Records<'b> {
+    file: std::fs::File,
+    path: PathBuf,
+    stats: RunStats,
+    bar: Option<&'b ProgressBar>,
+}
+
+impl Records<'_> {
+    /// One more answer accounted for.
+    fn tick(&self) {
+        if let Some(bar) = self.bar {
+            bar.inc(1);
+        }
+    }
 }
 
 /// A prepared experiment: everything checked, examples built, edits resolved.
@@ -268,6 +298,9 @@ impl<'a> Runner<'a> {
         opts: RunOptions,
     ) -> Result<Self> {
         spec.validate()?;
+        if opts.batch == 0 {
+            return Err(Error::invalid("batch", "0 (must be at least 1)"));
+        }
         let cfg = lm.model.config();
         let n_total = cfg.n_layers * cfg.n_heads;
         let all_k = spec
@@ -477,7 +510,10 @@ impl<'a> Runner<'a> {
             .sum()
     }
 
-    /// Run every answer not already recorded, appending records as they come.
+    /// Run every answer not already recorded, appending records as they come. Per task,
+    /// the unablated baselines run first (a control's decides whether its settings run),
+    /// then every setting of the kept examples; answers run `batch` at a time
+    /// ([`generate_batch`]: the same tokens as one at a time).
     pub fn run(&self, bar: Option<&ProgressBar>) -> Result<RunStats> {
         let dir = &self.opts.out_dir;
         std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
@@ -487,86 +523,133 @@ impl<'a> Runner<'a> {
             .into_iter()
             .map(|r| (r.key(), r))
             .collect();
-        let mut file = open_append(&path)?;
-        let mut stats = RunStats::default();
+        let mut out = Records {
+            file: open_append(&path)?,
+            path,
+            stats: RunStats::default(),
+            bar,
+        };
         let t0 = Instant::now();
-        let mode = self.spec.mode.name().to_string();
         for task in &self.tasks {
+            // The baselines: whether a control item is kept comes from its record.
+            let mut kept: BTreeMap<String, Option<bool>> = BTreeMap::new();
+            let mut todo = Vec::new();
             for ex in &task.examples {
-                if let Some(bar) = bar {
-                    bar.set_message(format!("{} {}", task.name, ex.id));
-                }
-                let mut units = vec![(BASELINE.to_string(), None, 0, &self.baseline)];
-                units.extend(task.settings.iter().map(|&i| {
-                    let s = &self.settings[i];
-                    (s.selection.clone(), s.seed, s.k, &s.edits)
-                }));
-                let mut kept = None;
-                for (n, (selection, seed, k, edits)) in units.into_iter().enumerate() {
-                    let key = (task.name.clone(), ex.id.clone(), selection.clone(), seed, k);
-                    if kept == Some(false) {
-                        stats.filtered += 1;
-                    } else if let Some(r) = done.get(&key) {
-                        stats.resumed += 1;
-                        if n == 0 {
-                            kept = r.kept;
-                        }
-                    } else {
-                        let start = Instant::now();
-                        let prediction = self.answer(ex, edits)?;
-                        let scores: BTreeMap<String, f64> = self
-                            .spec
-                            .metrics
-                            .iter()
-                            .map(|m| (m.name().to_string(), m.score(&ex.answers, &prediction)))
-                            .collect();
-                        if n == 0 && task.is_control {
-                            kept = Some(Metric::Accuracy.score(&ex.answers, &prediction) == 1.0);
-                        }
-                        let record = ExampleRecord {
-                            task: task.name.clone(),
-                            example: ex.id.clone(),
-                            context_tokens: ex.context_tokens,
-                            selection,
-                            seed,
-                            k,
-                            mode: mode.clone(),
-                            prediction,
-                            scores,
-                            kept: if n == 0 { kept } else { None },
-                            secs: start.elapsed().as_secs_f64(),
-                        };
-                        append_jsonl(&mut file, &path, &record)?;
-                        stats.generated += 1;
+                let u = self.unit(task, ex, None);
+                match done.get(&u.key) {
+                    Some(r) => {
+                        kept.insert(ex.id.clone(), r.kept);
+                        out.stats.resumed += 1;
+                        out.tick();
                     }
-                    if let Some(bar) = bar {
-                        bar.inc(1);
+                    None => todo.push(u),
+                }
+            }
+            for r in self.answer_all(task, &todo, &mut out)? {
+                kept.insert(r.example, r.kept);
+            }
+            // The settings of every example kept.
+            let mut todo = Vec::new();
+            for ex in &task.examples {
+                for &i in &task.settings {
+                    let u = self.unit(task, ex, Some(i));
+                    if kept.get(&ex.id).copied().flatten() == Some(false) {
+                        out.stats.filtered += 1;
+                        out.tick();
+                    } else if done.contains_key(&u.key) {
+                        out.stats.resumed += 1;
+                        out.tick();
+                    } else {
+                        todo.push(u);
                     }
                 }
             }
+            self.answer_all(task, &todo, &mut out)?;
         }
-        stats.secs = t0.elapsed().as_secs_f64();
-        Ok(stats)
+        out.stats.secs = t0.elapsed().as_secs_f64();
+        Ok(out.stats)
     }
 
-    /// The greedy answer to `ex` under `edits`: generated up to a newline (RULER's list
-    /// tasks: every line) or a stop token, at most `max_new` tokens, trimmed.
-    fn answer(&self, ex: &Example, edits: &Interventions) -> Result<String> {
+    /// `ex` of `task` unablated (`None`) or under setting `i`.
+    fn unit<'s>(&'s self, task: &TaskPlan, ex: &'s Example, setting: Option<usize>) -> Unit<'s> {
+        let (selection, seed, k, edits) = match setting {
+            None => (BASELINE.to_string(), None, 0, &self.baseline),
+            Some(i) => {
+                let s = &self.settings[i];
+                (s.selection.clone(), s.seed, s.k, &s.edits)
+            }
+        };
+        Unit {
+            ex,
+            key: (task.name.clone(), ex.id.clone(), selection, seed, k),
+            edits,
+        }
+    }
+
+    /// Answer `units` of `task`, `batch` at a time, appending each batch's records once
+    /// it ends; the records, in order. A record's `secs` is its share of its batch's
+    /// wall time.
+    fn answer_all(
+        &self,
+        task: &TaskPlan,
+        units: &[Unit<'_>],
+        out: &mut Records<'_>,
+    ) -> Result<Vec<ExampleRecord>> {
+        let mode = self.spec.mode.name();
         let opts = GenerateOptions {
             max_new: self.spec.max_new,
             stop: self.lm.special.stop.clone(),
             ..GenerateOptions::default()
         };
-        let mut answer = AnswerText::for_task(self.lm, &ex.task);
-        generate(
-            &self.lm.model,
-            &ex.prompt,
-            &opts,
-            &mut NoObserver,
-            edits,
-            &mut |tok, _| answer.push(tok),
-        )?;
-        answer.finish()
+        let mut records = Vec::with_capacity(units.len());
+        for chunk in units.chunks(self.opts.batch) {
+            if let Some(bar) = out.bar {
+                bar.set_message(format!("{} {}", task.name, chunk[0].ex.id));
+            }
+            let start = Instant::now();
+            let jobs: Vec<(&[u32], &Interventions)> = chunk
+                .iter()
+                .map(|u| (u.ex.prompt.as_slice(), u.edits))
+                .collect();
+            let mut answers: Vec<AnswerText> = chunk
+                .iter()
+                .map(|u| AnswerText::for_task(self.lm, &u.ex.task))
+                .collect();
+            generate_batch(&self.lm.model, &jobs, &opts, &mut |i, tok, _| {
+                answers[i].push(tok)
+            })?;
+            let secs = start.elapsed().as_secs_f64() / chunk.len() as f64;
+            for (u, answer) in chunk.iter().zip(answers) {
+                let prediction = answer.finish()?;
+                let scores: BTreeMap<String, f64> = self
+                    .spec
+                    .metrics
+                    .iter()
+                    .map(|m| (m.name().to_string(), m.score(&u.ex.answers, &prediction)))
+                    .collect();
+                let (task_name, example, selection, seed, k) = u.key.clone();
+                let kept = (k == 0 && task.is_control)
+                    .then(|| Metric::Accuracy.score(&u.ex.answers, &prediction) == 1.0);
+                let record = ExampleRecord {
+                    task: task_name,
+                    example,
+                    context_tokens: u.ex.context_tokens,
+                    selection,
+                    seed,
+                    k,
+                    mode: mode.to_string(),
+                    prediction,
+                    scores,
+                    kept,
+                    secs,
+                };
+                append_jsonl(&mut out.file, &out.path, &record)?;
+                out.stats.generated += 1;
+                out.tick();
+                records.push(record);
+            }
+        }
+        Ok(records)
     }
 
     /// The folder the run writes to.
