@@ -57,6 +57,8 @@ impl Format {
     /// arithmetic of ggml's `dequantize_row_*` (`q * d + m`, `(q - 16) * d`, `q * d`): the
     /// values candle's `QTensor::dequantize` gives.
     pub fn dequantize(self, blocks: &[u8], out: &mut [f32]) {
+        // Written as straight loops over the block's two halves, which the compiler turns
+        // into vector code; each value is the same one product (and, for Q4_1, one sum).
         for (blk, o) in blocks
             .chunks_exact(self.block_bytes())
             .zip(out.chunks_exact_mut(QK))
@@ -64,19 +66,30 @@ impl Format {
             let d = f16::from_le_bytes([blk[0], blk[1]]).to_f32();
             match self {
                 Format::Q4_1 => {
+                    let (lo, hi) = o.split_at_mut(QK / 2);
                     let m = f16::from_le_bytes([blk[2], blk[3]]).to_f32();
-                    for (j, &q) in blk[4..].iter().enumerate() {
-                        o[j] = (q & 0x0F) as f32 * d + m;
-                        o[j + QK / 2] = (q >> 4) as f32 * d + m;
+                    for ((a, b), &q) in lo.iter_mut().zip(hi.iter_mut()).zip(&blk[4..20]) {
+                        *a = (q & 0x0F) as f32 * d + m;
+                        *b = (q >> 4) as f32 * d + m;
                     }
                 }
                 Format::Q5_0 => {
-                    for (o, q) in o.iter_mut().zip(q5_0_codes(blk)) {
-                        *o = q as f32 * d;
+                    let high = u32::from_le_bytes([blk[2], blk[3], blk[4], blk[5]]);
+                    let (lo, hi) = o.split_at_mut(QK / 2);
+                    for (j, ((a, b), &q)) in lo
+                        .iter_mut()
+                        .zip(hi.iter_mut())
+                        .zip(&blk[6..22])
+                        .enumerate()
+                    {
+                        let qa = (q & 0x0F) as i32 | (((high >> j) & 1) << 4) as i32;
+                        let qb = (q >> 4) as i32 | (((high >> (j + QK / 2)) & 1) << 4) as i32;
+                        *a = (qa - 16) as f32 * d;
+                        *b = (qb - 16) as f32 * d;
                     }
                 }
                 Format::Q8_0 => {
-                    for (o, &q) in o.iter_mut().zip(&blk[2..]) {
+                    for (o, &q) in o.iter_mut().zip(&blk[2..34]) {
                         *o = q as i8 as f32 * d;
                     }
                 }
@@ -195,6 +208,57 @@ mod tests {
         Format::Q8_0.dequantize(&q5_0_to_q8_0(&blk), &mut again);
         assert_eq!(values, again);
         assert_eq!((values[0], values[1], values[17]), (-8.0, 0.5, 0.5));
+    }
+
+    #[test]
+    fn dequantize_gives_every_element_its_definition() {
+        // Random bytes for codes and bits, finite f16 scales; the value of element j is
+        // computed one element at a time from the layout in the module header.
+        let mut state = 0x9E37_79B9_7F4A_7C15u64;
+        let mut byte = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state >> 24) as u8
+        };
+        for format in Format::ALL {
+            let n = 37;
+            let mut blocks = Vec::new();
+            for _ in 0..n {
+                let scale = half::f16::from_f32((byte() as f32 - 128.0) / 512.0);
+                let min = half::f16::from_f32((byte() as f32 - 128.0) / 64.0);
+                blocks.extend(scale.to_le_bytes());
+                if format == Format::Q4_1 {
+                    blocks.extend(min.to_le_bytes());
+                }
+                let header = if format == Format::Q4_1 { 4 } else { 2 };
+                blocks.extend((header..format.block_bytes()).map(|_| byte()));
+            }
+            assert_eq!(blocks.len(), n * format.block_bytes());
+            let mut got = vec![0f32; n * QK];
+            format.dequantize(&blocks, &mut got);
+            for (b, blk) in blocks.chunks_exact(format.block_bytes()).enumerate() {
+                let d = half::f16::from_le_bytes([blk[0], blk[1]]).to_f32();
+                for j in 0..QK {
+                    let want = match format {
+                        Format::Q4_1 => {
+                            let m = half::f16::from_le_bytes([blk[2], blk[3]]).to_f32();
+                            let byte = blk[4 + j % 16];
+                            let q = if j < 16 { byte & 0x0F } else { byte >> 4 };
+                            q as f32 * d + m
+                        }
+                        Format::Q5_0 => q5_0_codes(blk)[j] as f32 * d,
+                        Format::Q8_0 => blk[2 + j] as i8 as f32 * d,
+                    };
+                    let v = got[b * QK + j];
+                    assert_eq!(
+                        v.to_bits(),
+                        want.to_bits(),
+                        "{format:?} block {b} element {j}"
+                    );
+                }
+            }
+        }
     }
 
     #[test]
