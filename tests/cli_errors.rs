@@ -9,10 +9,9 @@ use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 
-fn tmp(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("headwise-cli-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir.join(name)
+/// `name` in a scratch folder of its own, removed when the returned value drops.
+fn tmp(name: &str) -> common::Scratch {
+    common::Scratch::new("cli", name)
 }
 
 /// Run `headwise` with `args` and extra environment; return (exit code, stderr).
@@ -189,11 +188,9 @@ fn score(out: &Path, args: &[&std::ffi::OsStr]) -> (i32, String) {
     headwise(&all, &[])
 }
 
-/// A fresh, empty folder for rankings.
-fn rankings_dir(tag: &str) -> PathBuf {
-    let out = tmp(&format!("rankings-{tag}"));
-    let _ = std::fs::remove_dir_all(&out);
-    out
+/// A path for a rankings folder, not yet created.
+fn rankings_dir(tag: &str) -> common::Scratch {
+    tmp(&format!("rankings-{tag}"))
 }
 
 /// Every file below `dir`.
@@ -383,8 +380,9 @@ fn eval_refuses_a_ranking_of_another_model() {
 }
 
 /// A synthetic trace file of `prompts` prompts x 3 steps for a model with SmolLM2's
-/// shape, recorded as SmolLM2's (its real sha256); `nan` puts a NaN in one feature.
-fn synthetic_trace(tag: &str, prompts: usize, nan: bool) -> PathBuf {
+/// shape, recorded as SmolLM2's (its real sha256); `nan` puts a NaN in one feature. Returns
+/// its scratch folder (the files go with it) and the card's path.
+fn synthetic_trace(tag: &str, prompts: usize, nan: bool) -> (common::Scratch, PathBuf) {
     use headwise::lab::heads::trace::{
         Effective, ExampleSteps, Trace, TraceCard, TraceConfig, SCHEMA_VERSION,
     };
@@ -431,12 +429,13 @@ fn synthetic_trace(tag: &str, prompts: usize, nan: bool) -> PathBuf {
     };
     let stem = tmp(&format!("trace-{tag}"));
     t.save(&stem, &card).unwrap();
-    stem.with_extension("json")
+    let card = stem.with_extension("json");
+    (stem, card)
 }
 
 #[test]
 fn probe_training_refuses_empty_splits_and_nan_features() {
-    let few = synthetic_trace("few", 3, false);
+    let (_few, few) = synthetic_trace("few", 3, false);
     let out = tmp("probes-few");
     let (code, err) = headwise(
         &[
@@ -449,7 +448,7 @@ fn probe_training_refuses_empty_splits_and_nan_features() {
         &[],
     );
     assert_clean_error(code, &err, "split would be empty");
-    let nan = synthetic_trace("nan", 12, true);
+    let (_nan, nan) = synthetic_trace("nan", 12, true);
     let (code, err) = headwise(
         &[
             "policy".as_ref(),
@@ -467,7 +466,7 @@ fn probe_training_refuses_empty_splits_and_nan_features() {
 #[test]
 fn a_trace_and_a_probe_of_another_model_are_refused() {
     // SmolLM2's trace against Gemma's ranking
-    let trace = synthetic_trace("other", 12, false);
+    let (_trace, trace) = synthetic_trace("other", 12, false);
     let gemma_ranking = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("policies/rankings/gemma-3-270m-q4_k_m/wu-niah.json");
     let (code, err) = headwise(

@@ -49,16 +49,11 @@ random_seeds = [0, 1]
     EvalSpec::load(&path).unwrap()
 }
 
-/// A fresh folder for one caller: the tests run in parallel in one process, so each
-/// call gets its own (two tests writing and reading `spec.toml` in one shared folder
-/// read each other's half-written file).
-fn scratch(tag: &str) -> PathBuf {
-    static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    let n = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let dir = std::env::temp_dir().join(format!("headwise-eval-{tag}-{}-{n}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+/// A fresh folder for one caller, removed when the returned value drops: the tests run
+/// in parallel in one process, so each call gets its own (two tests writing and reading
+/// `spec.toml` in one shared folder read each other's half-written file).
+fn scratch(tag: &str) -> common::Scratch {
+    common::Scratch::dir(&format!("eval-{tag}"))
 }
 
 /// The provenance of every run here, one fixed date so that summaries of runs made at
@@ -138,9 +133,6 @@ fn resumed_and_sharded_runs_summarise_like_an_uninterrupted_one() {
     let records = read_all_records(&whole).unwrap();
     let base: Vec<_> = records.iter().filter(|r| r.selection == BASELINE).collect();
     assert_eq!(base.len(), 5);
-    for d in [whole, cut, sharded] {
-        std::fs::remove_dir_all(d).unwrap();
-    }
 }
 
 #[test]
@@ -185,5 +177,4 @@ fn a_changed_spec_does_not_mix_into_an_old_run() {
         err.contains("made with CPU \"Another CPU, avx2 fma f16c\", not"),
         "{err}"
     );
-    std::fs::remove_dir_all(dir).unwrap();
 }

@@ -15,11 +15,9 @@ use std::time::{Duration, Instant};
 
 use common::server::Spawned;
 
-/// A scratch path unique to this test process.
-fn tmp(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("headwise-hostile-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir.join(name)
+/// `name` in a scratch folder of its own, removed when the returned value drops.
+fn tmp(name: &str) -> common::Scratch {
+    common::Scratch::new("hostile", name)
 }
 
 /// Run `headwise` with `args` and extra environment, at most `bound` (a hang guard);
@@ -95,7 +93,7 @@ fn assert_usage_error(code: i32, stderr: &str, needle: &str) {
 }
 
 /// The real SmolLM2 file with `bytes` written at `offset`.
-fn patched_model(name: &str, offset: usize, bytes: &[u8]) -> PathBuf {
+fn patched_model(name: &str, offset: usize, bytes: &[u8]) -> common::Scratch {
     let mut data = std::fs::read(common::real_model()).unwrap();
     data[offset..offset + bytes.len()].copy_from_slice(bytes);
     let p = tmp(name);
@@ -172,7 +170,8 @@ fn small_index(dir: &Path) -> PathBuf {
 
 #[test]
 fn retriever_k_of_usize_max_is_refused_with_its_range() {
-    let index = small_index(&tmp("k-index"));
+    let dir = tmp("k-index");
+    let index = small_index(&dir);
     let (code, err) = headwise(&[
         "retriever",
         "search",
@@ -300,7 +299,7 @@ fn a_library_error_under_rust_backtrace_stays_on_one_line() {
 }
 
 /// A ranking file of the committed SmolLM2 ranking with `edit` applied to its JSON.
-fn edited_ranking(name: &str, edit: impl Fn(&mut serde_json::Value)) -> PathBuf {
+fn edited_ranking(name: &str, edit: impl Fn(&mut serde_json::Value)) -> common::Scratch {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let text = std::fs::read_to_string(
         root.join("policies/rankings/SmolLM2-135M-Instruct.Q4_1/wu-niah.json"),
@@ -481,7 +480,8 @@ fn search_server(index: &Path, extra: &[&str]) -> Spawned {
 
 #[test]
 fn a_900_kb_query_is_answered_400_at_once_and_sigterm_still_stops_the_server() {
-    let index = small_index(&tmp("long-query"));
+    let dir = tmp("long-query");
+    let index = small_index(&dir);
     let mut server = search_server(&index, &[]);
     // 140 000 distinct words: a 900 KB query, as the review sent.
     let words: Vec<String> = (0..140_000).map(|i| format!("w{i:x}")).collect();
@@ -541,7 +541,8 @@ fn closed_within(stream: &mut TcpStream, bound: Duration) -> Option<Vec<u8>> {
 
 #[test]
 fn half_sent_and_idle_connections_are_closed_after_their_timeouts() {
-    let index = small_index(&tmp("timeouts"));
+    let dir = tmp("timeouts");
+    let index = small_index(&dir);
     let server = search_server(
         &index,
         &[

@@ -4,17 +4,13 @@
 
 mod common;
 
-use std::path::PathBuf;
-
 use headwise::lab::eval::kv_budget::{run, write_report, BudgetSpec};
 use headwise::model::{LoadedModel, ModelId, Numerics};
 use headwise::provenance::Made;
 
-fn scratch(tag: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("headwise-kv-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+/// A fresh scratch folder, removed when the returned value drops.
+fn scratch(tag: &str) -> common::Scratch {
+    common::Scratch::dir(&format!("kv-{tag}"))
 }
 
 fn spec(data: &std::path::Path, window: usize) -> BudgetSpec {
@@ -49,7 +45,8 @@ policy = {{ type = "static_heads", window = {window}, heads = {{ ranking = "{roo
 "#,
         data.display()
     );
-    let path = scratch(&format!("spec{window}")).join("spec.toml");
+    let dir = scratch(&format!("spec{window}"));
+    let path = dir.join("spec.toml");
     std::fs::write(&path, text).unwrap();
     BudgetSpec::load(&path).unwrap()
 }

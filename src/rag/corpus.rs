@@ -187,17 +187,20 @@ pub fn write_jsonl(path: &Path, passages: &[Passage]) -> Result<()> {
 mod tests {
     use super::*;
 
-    fn file(name: &str, text: &str) -> std::path::PathBuf {
-        let dir = std::env::temp_dir().join(format!("headwise-corpus-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let p = dir.join(name);
+    /// `text` as file `name` in a temporary folder removed with the returned value.
+    fn file(name: &str, text: &str) -> (tempfile::TempDir, std::path::PathBuf) {
+        let dir = tempfile::Builder::new()
+            .prefix("headwise-corpus-")
+            .tempdir()
+            .unwrap();
+        let p = dir.path().join(name);
         std::fs::write(&p, text).unwrap();
-        p
+        (dir, p)
     }
 
     #[test]
     fn rows_read_with_defaults_and_bad_rows_name_their_line() {
-        let p = file(
+        let (_dir, p) = file(
             "ok.jsonl",
             "{\"id\": 7, \"title\": \"A\", \"text\": \"alpha\"}\n\n{\"text\": \"beta\"}\n",
         );
@@ -207,19 +210,14 @@ mod tests {
             (c[1].id.as_str(), c[1].title.as_str(), c[1].text.as_str()),
             ("1", "", "beta")
         );
-        let err = read_jsonl(&file(
-            "bad.jsonl",
-            "{\"text\": \"a\"}\n{\"title\": \"no text\"}\n",
-        ))
-        .unwrap_err()
-        .to_string();
+        let (_bad, p) = file("bad.jsonl", "{\"text\": \"a\"}\n{\"title\": \"no text\"}\n");
+        let err = read_jsonl(&p).unwrap_err().to_string();
         assert!(
             err.contains("bad.jsonl:2") && err.contains("without `text`"),
             "{err}"
         );
-        let err = read_jsonl(&file("empty.jsonl", "\n"))
-            .unwrap_err()
-            .to_string();
+        let (_empty, p) = file("empty.jsonl", "\n");
+        let err = read_jsonl(&p).unwrap_err().to_string();
         assert!(err.contains("empty corpus"), "{err}");
     }
 

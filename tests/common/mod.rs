@@ -5,7 +5,7 @@
 
 #![allow(dead_code)]
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 use candle_core::quantized::{GgmlDType, QTensor};
@@ -18,6 +18,71 @@ mod require;
 pub mod server;
 #[allow(unused_imports)]
 pub use require::{data, data_dir, models_dir, unavailable};
+
+/// A path `name` inside a fresh temporary folder of its own, removed with everything in
+/// it when this value is dropped; kept when the test is panicking, so that a failure's
+/// files can be read (the panic message shows the path).
+pub struct Scratch {
+    dir: Option<tempfile::TempDir>,
+    path: PathBuf,
+}
+
+impl Scratch {
+    /// A folder prefixed `headwise-{tag}-`, and `name` inside it (not created).
+    pub fn new(tag: &str, name: &str) -> Self {
+        let dir = tempfile::Builder::new()
+            .prefix(&format!("headwise-{tag}-"))
+            .tempdir()
+            .unwrap();
+        let path = dir.path().join(name);
+        Self {
+            dir: Some(dir),
+            path,
+        }
+    }
+
+    /// A fresh empty folder prefixed `headwise-{tag}-`.
+    pub fn dir(tag: &str) -> Self {
+        let dir = tempfile::Builder::new()
+            .prefix(&format!("headwise-{tag}-"))
+            .tempdir()
+            .unwrap();
+        let path = dir.path().to_path_buf();
+        Self {
+            dir: Some(dir),
+            path,
+        }
+    }
+}
+
+impl std::ops::Deref for Scratch {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl AsRef<Path> for Scratch {
+    fn as_ref(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl AsRef<std::ffi::OsStr> for Scratch {
+    fn as_ref(&self) -> &std::ffi::OsStr {
+        self.path.as_os_str()
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            if let Some(dir) = self.dir.take() {
+                let _ = dir.keep();
+            }
+        }
+    }
+}
 
 /// The SmolLM2 GGUF, fetched into `models/` (or `$HEADWISE_MODELS_DIR`) if missing.
 pub fn real_model() -> PathBuf {
