@@ -357,3 +357,99 @@ fn a_session_steps_token_by_token_to_the_brute_force_logits() {
         assert!(d < 1e-4, "{numerics:?}: max |diff| {d}");
     }
 }
+
+/// A session's token choice against the distribution its step's logits define, computed
+/// here from the logits' values: greedy takes the argmax; at a temperature the draws'
+/// frequencies follow `softmax(logits / T)`; under top-p every draw lies in the nucleus
+/// (the fewest most probable tokens holding at least `p` of the mass); invalid settings
+/// are errors.
+#[test]
+fn session_samples_from_the_distribution_its_logits_define() {
+    use headwise::model::{Sampling, Session};
+    let w = Weights::random(tiny_config(), 3);
+    let model = w.model(Numerics::Fast);
+    let mut session = Session::new(&model, TOKENS.len());
+    let logits = session
+        .prefill(TOKENS, &mut NoObserver, &Interventions::new())
+        .unwrap();
+    let values: Vec<f32> = logits.flatten_all().unwrap().to_vec1().unwrap();
+    let best = (0..values.len())
+        .max_by(|&a, &b| values[a].total_cmp(&values[b]))
+        .unwrap();
+    assert_eq!(session.sample(&logits).unwrap(), best as u32);
+
+    let temperature = 0.25;
+    let max = values
+        .iter()
+        .copied()
+        .fold(f64::NEG_INFINITY, |m, v| m.max(v as f64));
+    let weights: Vec<f64> = values
+        .iter()
+        .map(|&v| ((v as f64 - max) / temperature).exp())
+        .collect();
+    let total: f64 = weights.iter().sum();
+    let probs: Vec<f64> = weights.iter().map(|w| w / total).collect();
+    let sampling = |top_p| Sampling {
+        temperature: Some(temperature),
+        top_p,
+        seed: 11,
+    };
+    let draws = 20_000;
+    let mut counts = vec![0usize; probs.len()];
+    let mut s = Session::new(&model, 1)
+        .with_sampling(sampling(None))
+        .unwrap();
+    for _ in 0..draws {
+        counts[s.sample(&logits).unwrap() as usize] += 1;
+    }
+    for (token, (&c, &p)) in counts.iter().zip(&probs).enumerate() {
+        let freq = c as f64 / draws as f64;
+        let bound = 5.0 * (p * (1.0 - p) / draws as f64).sqrt() + 1e-3;
+        assert!(
+            (freq - p).abs() < bound,
+            "token {token}: {freq} drawn, p = {p}"
+        );
+    }
+
+    let top_p = 0.5;
+    let mut order: Vec<usize> = (0..probs.len()).collect();
+    order.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]));
+    let mut mass = 0.0;
+    let nucleus: Vec<usize> = order
+        .iter()
+        .copied()
+        .take_while(|&i| {
+            let inside = mass < top_p;
+            mass += probs[i];
+            inside
+        })
+        .collect();
+    assert!(
+        nucleus.len() < probs.len(),
+        "the test's nucleus must exclude tokens"
+    );
+    let mut s = Session::new(&model, 1)
+        .with_sampling(sampling(Some(top_p)))
+        .unwrap();
+    for _ in 0..2_000 {
+        let token = s.sample(&logits).unwrap() as usize;
+        assert!(
+            nucleus.contains(&token),
+            "{token} outside the nucleus {nucleus:?}"
+        );
+    }
+
+    for bad in [
+        sampling(Some(0.0)),
+        sampling(Some(1.5)),
+        Sampling {
+            temperature: Some(f64::NAN),
+            ..Sampling::default()
+        },
+    ] {
+        assert!(
+            Session::new(&model, 1).with_sampling(bad).is_err(),
+            "{bad:?}"
+        );
+    }
+}

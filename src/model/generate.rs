@@ -66,6 +66,14 @@ pub struct Sampler {
 }
 
 impl Sampler {
+    /// The argmax of every step.
+    pub fn greedy() -> Self {
+        Self {
+            sampling: Sampling::default(),
+            rng: rand::rngs::StdRng::seed_from_u64(0),
+        }
+    }
+
     /// A sampler seeded from `sampling.seed`.
     pub fn new(sampling: Sampling) -> Result<Self> {
         sampling.validate()?;
@@ -206,8 +214,8 @@ pub fn generate(
 ) -> Result<Generation> {
     let cfg = model.config();
     opts.check(prompt.len(), cfg.context_length)?;
-    let mut sampler = Sampler::new(opts.sampling)?;
-    let mut session = Session::new(model, prompt.len() + opts.max_new);
+    let mut session =
+        Session::new(model, prompt.len() + opts.max_new).with_sampling(opts.sampling)?;
     let t0 = Instant::now();
     // With an observer the prompt's last token runs as its own step, so that every
     // observed step produces exactly one generated token. Without one the prompt is
@@ -226,7 +234,7 @@ pub fn generate(
     let mut prefill_secs = 0.0;
     let mut t1 = Instant::now();
     let stop = loop {
-        let next = sampler.sample(&logits)?;
+        let next = session.sample(&logits)?;
         if tokens.is_empty() {
             prefill_secs = t0.elapsed().as_secs_f64();
             t1 = Instant::now();
@@ -255,7 +263,6 @@ pub fn generate(
 /// One sequence of a [`generate_batch`] while it runs.
 struct Running<'m, 'e> {
     session: Session<'m>,
-    sampler: Sampler,
     observer: NoObserver,
     edits: &'e Interventions,
     /// The logits the next token is drawn from.
@@ -289,11 +296,11 @@ pub fn generate_batch(
     let mut seqs = Vec::with_capacity(jobs.len());
     for &(prompt, edits) in jobs {
         let t0 = Instant::now();
-        let mut session = Session::new(model, prompt.len() + opts.max_new);
+        let mut session =
+            Session::new(model, prompt.len() + opts.max_new).with_sampling(opts.sampling)?;
         let logits = session.prefill(prompt, &mut NoObserver, edits)?;
         seqs.push(Running {
             session,
-            sampler: Sampler::new(opts.sampling)?,
             observer: NoObserver,
             edits,
             logits,
@@ -310,7 +317,7 @@ pub fn generate_batch(
             if s.stop.is_some() {
                 continue;
             }
-            let next = s.sampler.sample(&s.logits)?;
+            let next = s.session.sample(&s.logits)?;
             s.tokens.push(next);
             s.stop = if !on_token(i, next, &s.logits) {
                 Some(StopReason::Cancelled)

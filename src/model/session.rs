@@ -1,8 +1,10 @@
 //! One sequence being decoded: the model, the sequence's cache and, through the cache,
-//! its position. Every generation path of the crate (plain and policy generation,
+//! its position, and the state of its token choice. Every generation path of the crate (plain and policy generation,
 //! scoring, traces, RAG segments, parity, benchmarks) runs the model through a
 //! [`Session`]: [`Session::prefill`] for the prompt, [`Session::step`] for each new
-//! token, [`Session::feed`] when a caller needs the logits of every position.
+//! token, [`Session::feed`] when a caller needs the logits of every position, and
+//! [`Session::sample`] to draw the next token from a step's logits (greedy unless the
+//! session was made [`Session::with_sampling`]).
 //!
 //! The cache is either the plain per-layer [`KvCache`] (every head keeps every position)
 //! or the per-head [`HeadCache`] of a policy; both are a [`Cache`]. [`step_batch`]
@@ -12,7 +14,7 @@
 use candle_core::Tensor;
 
 use crate::model::transformer::{CacheMut, DecodeRow};
-use crate::model::{HeadCache, Interventions, KvCache, Logits, Model, Observer};
+use crate::model::{HeadCache, Interventions, KvCache, Logits, Model, Observer, Sampler, Sampling};
 use crate::{Error, Result};
 
 /// A cache a [`Session`] runs the model over.
@@ -78,10 +80,11 @@ impl Cache for HeadCache {
     }
 }
 
-/// A sequence over `model` with its cache `C`.
+/// A sequence over `model` with its cache `C` and its sampler.
 pub struct Session<'m, C: Cache = KvCache> {
     model: &'m Model,
     cache: C,
+    sampler: Sampler,
 }
 
 impl<'m> Session<'m, KvCache> {
@@ -92,9 +95,26 @@ impl<'m> Session<'m, KvCache> {
 }
 
 impl<'m, C: Cache> Session<'m, C> {
-    /// A sequence that continues from what `cache` holds.
+    /// A sequence that continues from what `cache` holds, choosing tokens greedily.
     pub fn with_cache(model: &'m Model, cache: C) -> Self {
-        Self { model, cache }
+        Self {
+            model,
+            cache,
+            sampler: Sampler::greedy(),
+        }
+    }
+
+    /// The same session choosing tokens by `sampling` (its RNG seeded from
+    /// `sampling.seed`); an invalid temperature or top-p is an error.
+    pub fn with_sampling(mut self, sampling: Sampling) -> Result<Self> {
+        self.sampler = Sampler::new(sampling)?;
+        Ok(self)
+    }
+
+    /// The next token, drawn from `logits` `(1, vocab)` or `(vocab,)` (a step's output),
+    /// advancing the session's sampling RNG.
+    pub fn sample(&mut self, logits: &Tensor) -> Result<u32> {
+        self.sampler.sample(logits)
     }
 
     /// The model.

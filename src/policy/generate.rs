@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::model::{
     last_row, BatchStep, GenerateOptions, Generation, HeadCache, Interventions, KvBytes, KvCache,
-    Model, Observer, Sampler, Session, StopReason, Tee, Wants,
+    Model, Observer, Session, StopReason, Tee, Wants,
 };
 use crate::policy::evict::{Observe, Observed};
 use crate::policy::explain::{ExplainConfig, HeadReads, TokenExplain};
@@ -317,7 +317,6 @@ pub struct Decoding<'a> {
     offered: bool,
     /// The prefill is done.
     ready: bool,
-    sampler: Sampler,
     stop: Vec<u32>,
     max_new: usize,
     oracle: Option<&'a [Vec<f32>]>,
@@ -405,7 +404,8 @@ impl<'a> Decoding<'a> {
             }
             _ => None,
         };
-        let sampler = Sampler::new(opts.sampling)?;
+        // Checked before the prefill's work; the session takes it once it exists.
+        opts.sampling.validate()?;
         let capacity = prompt.len() + opts.max_new;
         let t0 = Instant::now();
         let mut shared_secs = 0.0;
@@ -494,13 +494,12 @@ impl<'a> Decoding<'a> {
         );
         Ok(Self {
             plan,
-            session,
+            session: session.with_sampling(opts.sampling)?,
             pending,
             done,
             cached_tokens: done,
             offered: false,
             ready: false,
-            sampler,
             stop: opts.stop.clone(),
             max_new: opts.max_new,
             oracle,
@@ -688,7 +687,7 @@ impl<'a> Decoding<'a> {
             self.explained = Some(reads.explain(logits, probe, n_heads)?);
         }
         self.steps += 1;
-        let next = self.sampler.sample(logits)?;
+        let next = self.session.sample(logits)?;
         if self.tokens.is_empty() {
             self.prefill_secs = self.t0.elapsed().as_secs_f64() + self.shared_secs;
             self.t1 = Instant::now();
