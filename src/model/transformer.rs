@@ -16,6 +16,7 @@ use crate::model::numerics::activation::Gate;
 use crate::model::numerics::embedding::Embedding;
 use crate::model::numerics::ggml;
 use crate::model::numerics::linear::Projections;
+use crate::model::numerics::Ops;
 use crate::model::{Config, HeadCache, Interventions, KvCache, Linear, Numerics, Observer, Rope};
 use crate::{Error, Result};
 
@@ -57,28 +58,21 @@ struct Block {
 }
 
 /// The gate nonlinearity of the feed-forward block.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Activation {
-    /// `x * sigmoid(x)` (SwiGLU: Llama).
-    Silu,
-    /// GELU, tanh approximation (GeGLU: Gemma).
-    GeluTanh,
-}
-
 /// A decoder-only transformer whose every attention head can be observed and edited.
 #[derive(Debug, Clone)]
 pub struct Model {
     cfg: Config,
     numerics: Numerics,
-    /// The x86 path of ggml's attention arithmetic (`ggml` numerics only).
-    ggml_simd: ggml::Simd,
+    /// Normalisation and feed-forward gate in `numerics`.
+    ops: Ops,
+    /// The plain cache's attention in `numerics`.
+    attention: attention::Path,
     /// Per layer: RoPE, window.
     specs: Vec<LayerSpec>,
     /// `(vocab, d_model)`.
     embed: Embedding,
     /// Multiplies the looked-up embeddings (`sqrt(d_model)` for Gemma, else 1).
     embed_scale: f64,
-    activation: Activation,
     blocks: Vec<Block>,
     /// `(d_model,)`.
     final_norm: Tensor,
@@ -220,22 +214,24 @@ impl Model {
                 }
             }
         }
+        // SwiGLU (Llama) or GeGLU with GELU's tanh form (Gemma).
         let (embed_scale, activation) = match cfg.architecture {
-            Architecture::Llama => (1.0, Activation::Silu),
-            Architecture::Gemma3 => ((d as f64).sqrt(), Activation::GeluTanh),
+            Architecture::Llama => (1.0, Gate::Silu),
+            Architecture::Gemma3 => ((d as f64).sqrt(), Gate::GeluTanh),
+        };
+        let simd = match numerics {
+            // A bad `HEADWISE_GGML_SIMD` is an error here, before any work.
+            Numerics::Ggml => ggml::Simd::from_env()?,
+            Numerics::Reference | Numerics::Fast => ggml::Simd::detect(),
         };
         Ok(Self {
             cfg,
             numerics,
-            ggml_simd: match numerics {
-                // A bad `HEADWISE_GGML_SIMD` is an error here, before any work.
-                Numerics::Ggml => ggml::Simd::from_env()?,
-                Numerics::Reference | Numerics::Fast => ggml::Simd::detect(),
-            },
+            ops: Ops::new(numerics, activation),
+            attention: attention::Path::new(numerics, simd),
             specs,
             embed,
             embed_scale,
-            activation,
             blocks,
             final_norm,
             lm_head,
@@ -259,13 +255,18 @@ impl Model {
 
     /// The x86 path of ggml whose attention arithmetic `ggml` numerics follow.
     pub fn ggml_simd(&self) -> ggml::Simd {
-        self.ggml_simd
+        match self.attention {
+            attention::Path::Ggml(simd) => simd,
+            attention::Path::Fast | attention::Path::Streaming => ggml::Simd::detect(),
+        }
     }
 
     /// Follow `simd`'s attention arithmetic in `ggml` numerics (e.g. the path of the
     /// llama.cpp build being compared against); no effect in other numerics.
     pub fn set_ggml_simd(&mut self, simd: ggml::Simd) {
-        self.ggml_simd = simd;
+        if let attention::Path::Ggml(s) = &mut self.attention {
+            *s = simd;
+        }
     }
 
     /// The prefill chunk size: a prompt runs in forward steps of this many tokens.
@@ -645,13 +646,7 @@ impl Model {
             Rows::Chunk => block.gate_up.forward(&h)?,
             Rows::Each => block.gate_up.forward_each(&h)?,
         };
-        let inner = match (self.activation, self.numerics) {
-            (Activation::Silu, Numerics::Fast) => Gate::Silu.gated(&gu[0], &gu[1])?,
-            (Activation::GeluTanh, Numerics::Fast) => Gate::GeluTanh.gated(&gu[0], &gu[1])?,
-            (Activation::Silu, _) => (gu[0].silu()? * &gu[1])?,
-            (Activation::GeluTanh, Numerics::Ggml) => (ggml::gelu_tensor(&gu[0])? * &gu[1])?,
-            (Activation::GeluTanh, Numerics::Reference) => (gu[0].gelu()? * &gu[1])?,
-        };
+        let inner = self.ops.gated(&gu[0], &gu[1])?;
         let ffn = match rows {
             Rows::Chunk => block.down.forward(&inner)?,
             Rows::Each => block.down.forward_each(&inner)?,
@@ -661,11 +656,7 @@ impl Model {
 
     /// `x` `(..., d_model)` RMS-normalised and scaled by `w` in this model's numerics.
     fn norm(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
-        let eps = self.cfg.rms_eps as f32;
-        Ok(match self.numerics {
-            Numerics::Ggml => ggml::rms_norm(x, w, eps)?,
-            Numerics::Reference | Numerics::Fast => candle_nn::ops::rms_norm(x, w, eps)?,
-        })
+        self.ops.rms_norm(x, w, self.cfg.rms_eps as f32)
     }
 
     /// One sequence's attention from its projected queries, keys and values `qkv`
@@ -743,7 +734,7 @@ impl Model {
         };
         // A fast prefill whose probabilities nobody reads goes by query blocks, which
         // build their own causal and window masks.
-        let blocks = self.numerics == Numerics::Fast && q_len > 1 && !wants.attention;
+        let blocks = self.attention.blocks(q_len, wants.attention);
         let mask = match blocks && !edits.masks_scores(layer) {
             true => None,
             false => edits.score_mask(layer, nh, &span)?,
@@ -754,49 +745,20 @@ impl Model {
         if wants.values {
             observer.values(layer, &pad_keys(&values, key_start, 1)?);
         }
-        let observe = |observer: &mut dyn Observer, probs: &Tensor| -> Result<()> {
-            observer.attention(layer, &pad_keys(probs, key_start, 2)?);
-            Ok(())
+        let inputs = attention::Inputs {
+            q: &qh,
+            keys: &keys,
+            values: &values,
+            offset: start - key_start,
+            key_start,
+            mask: mask.as_ref(),
+            causal,
+            window,
         };
-        let out = match self.numerics {
-            Numerics::Fast => {
-                let (out, probs) = if q_len == 1 {
-                    attention::single_query(&qh, &keys, &values, mask.as_ref(), wants.attention)?
-                } else if blocks {
-                    let q0 = start - key_start;
-                    let out = attention::blocked(&qh, &keys, &values, q0, mask.as_ref(), window)?;
-                    (out, None)
-                } else {
-                    let (out, probs) =
-                        attention::batched(&qh, &keys, &values, mask.as_ref(), causal)?;
-                    (out, Some(probs))
-                };
-                if let (true, Some(probs)) = (wants.attention, probs) {
-                    observe(observer, &probs)?;
-                }
-                out
-            }
-            Numerics::Reference | Numerics::Ggml => {
-                if wants.attention {
-                    let (_, probs) =
-                        attention::batched(&qh, &keys, &values, mask.as_ref(), causal)?;
-                    observe(observer, &probs)?;
-                }
-                let (offset, mask) = (start - key_start, mask.as_ref());
-                match self.numerics {
-                    Numerics::Ggml => attention::ggml_plain(
-                        &qh,
-                        &keys,
-                        &values,
-                        offset,
-                        key_start,
-                        mask,
-                        self.ggml_simd,
-                    )?,
-                    _ => attention::streaming(&qh, &keys, &values, offset, mask)?,
-                }
-            }
-        };
+        let (out, probs) = self.attention.attend(&inputs, wants.attention)?;
+        if let Some(probs) = probs {
+            observer.attention(layer, &pad_keys(&probs, key_start, 2)?);
+        }
         self.head_outputs(layer, out, observer, edits)
     }
 

@@ -1,5 +1,5 @@
-//! Five implementations of `softmax(q k^T / sqrt(d) + mask) v` with GQA, chosen by
-//! [`Numerics`](crate::model::Numerics):
+//! Five implementations of `softmax(q k^T / sqrt(d) + mask) v` with GQA; a model's
+//! [`Path`], fixed from its [`Numerics`] when it is loaded, picks among them per call:
 //!
 //! * [`batched`]: candle matrix products and a softmax over the whole score matrix:
 //!   fast for prefill, and it yields the attention probabilities as a by-product;
@@ -42,6 +42,89 @@ pub(crate) use ggml_plain::ggml_plain;
 pub(crate) use per_head::per_head;
 pub(crate) use single_query::{decode_rows, single_query, KvRows};
 pub(crate) use streaming::streaming;
+
+use candle_core::Tensor;
+
+use crate::model::numerics::ggml;
+use crate::model::Numerics;
+use crate::Result;
+
+/// Which implementations a model's plain cache attends with, fixed from its numerics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Path {
+    /// [`Numerics::Fast`]: [`single_query`] for a decode step, [`blocked`] for a prefill
+    /// whose probabilities nobody reads, [`batched`] otherwise.
+    Fast,
+    /// [`Numerics::Reference`]: [`streaming`], mistral.rs's order.
+    Streaming,
+    /// [`Numerics::Ggml`]: [`ggml_plain`] in the arithmetic of ggml's `simd` path.
+    Ggml(ggml::Simd),
+}
+
+/// One sequence's attention inputs: queries `(n_heads, q, d_head)` at positions
+/// `key_start + offset ..`, keys and values `(n_kv_heads, kv_len, d_head)` from position
+/// `key_start`, an additive `mask` `(n_heads, q, kv_len)`, or `causal` (for [`batched`]).
+pub(crate) struct Inputs<'a> {
+    pub q: &'a Tensor,
+    pub keys: &'a Tensor,
+    pub values: &'a Tensor,
+    pub offset: usize,
+    pub key_start: usize,
+    pub mask: Option<&'a Tensor>,
+    pub causal: Option<&'a Tensor>,
+    /// The layer's sliding window (read by [`blocked`], which builds its own masks).
+    pub window: Option<usize>,
+}
+
+impl Path {
+    /// The path of `numerics`; `simd` is the ggml path [`Numerics::Ggml`] follows.
+    pub(crate) fn new(numerics: Numerics, simd: ggml::Simd) -> Self {
+        match numerics {
+            Numerics::Fast => Path::Fast,
+            Numerics::Reference => Path::Streaming,
+            Numerics::Ggml => Path::Ggml(simd),
+        }
+    }
+
+    /// Whether `q_len` queries go by [`blocked`] query blocks, which build their own causal
+    /// and window masks (a prefill whose probabilities nobody reads, fast numerics).
+    pub(crate) fn blocks(self, q_len: usize, want_probs: bool) -> bool {
+        self == Path::Fast && q_len > 1 && !want_probs
+    }
+
+    /// The head outputs `(n_heads, q, d_head)` and, when `want_probs`, the attention
+    /// probabilities `(n_heads, q, kv_len)`.
+    pub(crate) fn attend(self, x: &Inputs, want_probs: bool) -> Result<(Tensor, Option<Tensor>)> {
+        let q_len = x.q.dim(1)?;
+        let probs = |path_probs: Option<Tensor>| -> Result<Option<Tensor>> {
+            Ok(match (want_probs, path_probs) {
+                (false, _) => None,
+                (true, Some(p)) => Some(p),
+                (true, None) => Some(batched(x.q, x.keys, x.values, x.mask, x.causal)?.1),
+            })
+        };
+        match self {
+            Path::Fast if q_len == 1 => single_query(x.q, x.keys, x.values, x.mask, want_probs),
+            Path::Fast if self.blocks(q_len, want_probs) => {
+                let out = blocked(x.q, x.keys, x.values, x.offset, x.mask, x.window)?;
+                Ok((out, None))
+            }
+            Path::Fast => {
+                let (out, p) = batched(x.q, x.keys, x.values, x.mask, x.causal)?;
+                Ok((out, probs(Some(p))?))
+            }
+            Path::Streaming => {
+                let p = probs(None)?;
+                Ok((streaming(x.q, x.keys, x.values, x.offset, x.mask)?, p))
+            }
+            Path::Ggml(simd) => {
+                let p = probs(None)?;
+                let out = ggml_plain(x.q, x.keys, x.values, x.offset, x.key_start, x.mask, simd)?;
+                Ok((out, p))
+            }
+        }
+    }
+}
 
 #[cfg(test)]
 mod tests {
