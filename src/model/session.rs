@@ -1,10 +1,10 @@
 //! One sequence being decoded: the model, the sequence's cache and, through the cache,
-//! its position, and the state of its token choice. Every generation path of the crate (plain and policy generation,
-//! scoring, traces, RAG segments, parity, benchmarks) runs the model through a
-//! [`Session`]: [`Session::prefill`] for the prompt, [`Session::step`] for each new
-//! token, [`Session::feed`] when a caller needs the logits of every position, and
-//! [`Session::sample`] to draw the next token from a step's logits (greedy unless the
-//! session was made [`Session::with_sampling`]).
+//! its position, and the state of its token choice. Every generation path of the crate
+//! (plain and policy generation, scoring, traces, RAG segments, parity, benchmarks) runs
+//! the model through a [`Session`]: [`Session::prefill`] for the prompt,
+//! [`Session::step`] for each new token, [`Session::feed`] when a caller needs the logits
+//! of every position, and [`Session::sample`] to draw the next token from a step's logits
+//! (greedy unless the session was made [`Session::with_sampling`]).
 //!
 //! The cache is either the plain per-layer [`KvCache`] (every head keeps every position)
 //! or the per-head [`HeadCache`] of a policy; both are a [`Cache`]. [`step_batch`]

@@ -57,7 +57,6 @@ struct Block {
     post_ffn_norm: Option<Tensor>,
 }
 
-/// The gate nonlinearity of the feed-forward block.
 /// A decoder-only transformer whose every attention head can be observed and edited.
 #[derive(Debug, Clone)]
 pub struct Model {

@@ -1,7 +1,7 @@
 //! How the weights multiply, in each [`Numerics`]: linear layers and the token embedding
 //! over GGUF tensors, the normalisation and gate of each numerics ([`Ops`]), the fast
-//! numerics' block kernels, llama.cpp's arithmetic, and a vectorised `exp`. Reads tensors from [`crate::model::file`]; knows nothing of layers,
-//! caches or attention.
+//! numerics' block kernels, llama.cpp's arithmetic, and a vectorised `exp`. Reads tensors
+//! from [`crate::model::file`]; knows nothing of layers, caches or attention.
 
 pub mod activation;
 pub mod embedding;
