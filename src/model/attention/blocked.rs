@@ -2,21 +2,27 @@
 //! for a prefill whose probabilities nobody reads. Its softmax is compiled for the
 //! build's target only.
 
+use std::cell::RefCell;
+
 use candle_core::{Device, Tensor};
 use rayon::prelude::*;
 
 use crate::model::numerics::fast_exp;
 use crate::Result;
 
-/// Query rows per block of [`blocked`].
-const BLOCK: usize = 256;
+/// Query rows per task of [`blocked`]: one head's scores for a block, `(BLOCK, keys)`
+/// f32, stay within a core's L2 cache (1 MiB at 4,096 keys) between the product that
+/// writes them, the softmax and the product that reads them.
+const BLOCK: usize = 64;
 
 /// Causal attention for several queries without their probabilities: `(n_heads, q,
-/// d_head)`. The queries go in blocks of [`BLOCK`] rows, each block against only the keys
-/// one of its rows can see: up to its last query, and from its first query's window on
-/// when `window` is given. Compared with [`batched`] this skips the masked upper triangle
-/// (about half the products and exponentials of a long prefill) and the keys behind a
-/// sliding window, and never holds the whole `(n_heads, q, kv_len)` score matrix.
+/// d_head)`. Each task takes one query head and a block of [`BLOCK`] queries against only
+/// the keys one of its rows can see (up to its last query, and from its first query's
+/// window on when `window` is given): scores by `gemm` into a per-thread buffer, the
+/// softmax of each row over its visible keys in place, then the value sums by `gemm`.
+/// Compared with [`batched`](super::batched) this skips the masked upper triangle (about
+/// half the products and exponentials of a long prefill) and the keys behind a sliding
+/// window, and never holds more than one block's scores per thread.
 ///
 /// `start` is the first query's position counted from the first stored key. `mask`,
 /// when given, is the full additive mask `(n_heads, q, kv_len)` and must already hide
@@ -35,50 +41,129 @@ pub(crate) fn blocked(
     let (nkv, kv_len, _) = keys.dims3()?;
     let group = nh / nkv;
     let scale = 1.0 / (dh as f32).sqrt();
-    let mut outs = Vec::with_capacity(q_len.div_ceil(BLOCK));
-    for s in (0..q_len).step_by(BLOCK) {
-        let n = BLOCK.min(q_len - s);
-        // Keys lo..hi: the window of the block's first query to its last query.
-        let hi = (start + s + n).min(kv_len);
-        let lo = window
-            .map_or(0, |w| (start + s + 1).saturating_sub(w))
-            .min(hi);
-        let width = hi - lo;
-        let qb = q
-            .narrow(1, s, n)?
-            .contiguous()?
-            .reshape((nkv, group * n, dh))?;
-        let scores = qb.matmul(&keys.narrow(1, lo, width)?.t()?)?;
-        let mut w: Vec<f32> = scores.flatten_all()?.to_vec1()?;
-        let bias: Option<Vec<f32>> = mask
-            .map(|m| {
-                m.narrow(1, s, n)?
-                    .narrow(2, lo, width)?
-                    .flatten_all()?
-                    .to_vec1()
-            })
-            .transpose()?;
-        // Row r is query head r / n at query s + r % n; its visible keys are `seen`.
-        w.par_chunks_mut(width.max(1))
-            .enumerate()
-            .for_each(|(r, row)| {
-                let query = start + s + r % n;
-                let first = window.map_or(0, |w| (query + 1).saturating_sub(w)).max(lo) - lo;
-                let seen = first.min(width)..(query + 1 - lo).min(width);
-                row[..seen.start].fill(0.0);
-                row[seen.end..].fill(0.0);
-                let at = seen.start;
-                let row = &mut row[seen];
-                let b = bias.as_ref().map(|b| &b[r * width + at..][..row.len()]);
-                scaled_softmax(row, scale, b);
-            });
-        let probs = Tensor::from_vec(w, (nkv, group * n, width), &Device::Cpu)?;
-        let out = probs
-            .matmul(&values.narrow(1, lo, width)?)?
-            .reshape((nh, n, dh))?;
-        outs.push(out);
-    }
-    Ok(Tensor::cat(&outs, 1)?)
+    let flat = |t: &Tensor| -> Result<Vec<f32>> { Ok(t.flatten_all()?.to_vec1()?) };
+    let (qs, ks, vs) = (flat(q)?, flat(keys)?, flat(values)?);
+    let mut out = vec![0f32; nh * q_len * dh];
+    out.par_chunks_mut(q_len * dh)
+        .enumerate()
+        .try_for_each(|(h, head)| {
+            head.par_chunks_mut(BLOCK * dh)
+                .enumerate()
+                .try_for_each(|(b, ob)| {
+                    let s = b * BLOCK;
+                    let n = ob.len() / dh;
+                    // Keys lo..hi: the window of the block's first query to its last query.
+                    let hi = (start + s + n).min(kv_len);
+                    let lo = window
+                        .map_or(0, |w| (start + s + 1).saturating_sub(w))
+                        .min(hi);
+                    let width = hi - lo;
+                    let bias = mask
+                        .map(|m| flat(&m.narrow(0, h, 1)?.narrow(1, s, n)?.narrow(2, lo, width)?))
+                        .transpose()?;
+                    let kv = (h / group) * kv_len + lo;
+                    let (kb, vb) = (
+                        &ks[kv * dh..(kv + width) * dh],
+                        &vs[kv * dh..(kv + width) * dh],
+                    );
+                    let qb = &qs[(h * q_len + s) * dh..(h * q_len + s + n) * dh];
+                    SCORES.with_borrow_mut(|w| {
+                        w.resize(n * width, 0.0);
+                        // SAFETY: `w` is `(n, width)` row-major; `qb` is `(n, dh)` row-major;
+                        // `kb` is `(width, dh)` row-major, read as the `(dh, width)` right
+                        // operand (element (k, j) at `j * dh + k`). Every index stays inside
+                        // its slice.
+                        unsafe {
+                            product(
+                                n,
+                                width,
+                                dh,
+                                w.as_mut_ptr(),
+                                width,
+                                qb.as_ptr(),
+                                dh,
+                                kb.as_ptr(),
+                                (dh, 1),
+                            );
+                        }
+                        for (r, row) in w.chunks_exact_mut(width).enumerate() {
+                            let query = start + s + r;
+                            let first =
+                                window.map_or(0, |w| (query + 1).saturating_sub(w)).max(lo) - lo;
+                            let seen = first.min(width)..(query + 1 - lo).min(width);
+                            row[..seen.start].fill(0.0);
+                            row[seen.end..].fill(0.0);
+                            let at = seen.start;
+                            let row = &mut row[seen];
+                            let b = bias.as_ref().map(|b| &b[r * width + at..][..row.len()]);
+                            scaled_softmax(row, scale, b);
+                        }
+                        // SAFETY: `ob` is `(n, dh)` row-major, `w` `(n, width)` row-major, and
+                        // `vb` `(width, dh)` row-major (element (j, d) at `j * dh + d`).
+                        unsafe {
+                            product(
+                                n,
+                                dh,
+                                width,
+                                ob.as_mut_ptr(),
+                                dh,
+                                w.as_ptr(),
+                                width,
+                                vb.as_ptr(),
+                                (1, dh),
+                            );
+                        }
+                    });
+                    Ok::<(), crate::Error>(())
+                })
+        })?;
+    Ok(Tensor::from_vec(out, (nh, q_len, dh), &Device::Cpu)?)
+}
+
+thread_local! {
+    /// One block's scores, reused across tasks on this thread.
+    static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// `dst (m, n) = lhs (m, k) * rhs (k, n)` on this thread, `dst` and `lhs` row-major with
+/// row strides `dst_rs` and `lhs_rs`, `rhs` element (i, j) at `i * rhs_rs + j * rhs_cs`
+/// for `(rhs_cs, rhs_rs)`.
+///
+/// # Safety
+/// Every element so addressed must lie inside its buffer.
+#[allow(clippy::too_many_arguments)]
+unsafe fn product(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut f32,
+    dst_rs: usize,
+    lhs: *const f32,
+    lhs_rs: usize,
+    rhs: *const f32,
+    (rhs_cs, rhs_rs): (usize, usize),
+) {
+    gemm::gemm(
+        m,
+        n,
+        k,
+        dst,
+        1,
+        dst_rs as isize,
+        false,
+        lhs,
+        1,
+        lhs_rs as isize,
+        rhs,
+        rhs_cs as isize,
+        rhs_rs as isize,
+        0.0,
+        1.0,
+        false,
+        false,
+        false,
+        gemm::Parallelism::None,
+    );
 }
 
 /// `softmax(row * scale + bias)` in place (all zeros when every entry is `-inf`).
