@@ -289,6 +289,7 @@ fn run_task(task: &mut Task, step: &Step) {
     let w = &mut task.weights;
     for (i, j) in task.keys.clone().enumerate() {
         let k = &rows.keys[j * dh..][..dh];
+        prefetch(k);
         for g in 0..group {
             let h = task.kv_head * group + g;
             w[g * n + i] = dot_lanes(&q[h * dh..(h + 1) * dh], k) * scale;
@@ -310,12 +311,32 @@ fn run_task(task: &mut Task, step: &Step) {
     }
     for (i, j) in task.keys.clone().enumerate() {
         let v = &rows.values[j * dh..][..dh];
+        prefetch(v);
         for (g, acc) in task.accs.chunks_exact_mut(dh).enumerate() {
             let p = w[g * n + i];
             if p != 0.0 {
                 acc.iter_mut().zip(v).for_each(|(a, x)| *a += p * x);
             }
         }
+    }
+}
+
+/// Bytes past the start of the row being read that [`prefetch`] asks for: the keys (and
+/// values) of one KV head are one stream, which the Xeon here (model 207) read at a
+/// fraction of its bandwidth with its hardware prefetchers alone.
+const PREFETCH_BYTES: usize = 1024;
+
+/// Ask for the cache lines [`PREFETCH_BYTES`] past each line of `row`, a row of a KV
+/// head's contiguous keys or values (a hint only: results do not change).
+#[inline(always)]
+fn prefetch(row: &[f32]) {
+    #[cfg(target_arch = "x86_64")]
+    for line in (0..row.len()).step_by(16) {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let at = row.as_ptr().wrapping_add(line + PREFETCH_BYTES / 4);
+        // SAFETY: a prefetch does not fault or read memory architecturally, whatever the
+        // address; SSE is part of every x86-64 CPU.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(at as *const i8) };
     }
 }
 

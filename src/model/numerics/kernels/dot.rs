@@ -125,6 +125,11 @@ mod x86 {
 
     use super::super::blocks::{Activations, QK};
 
+    /// Bytes ahead of the block being multiplied that every kernel prefetches into L1: on
+    /// the Xeon here (model 207) the hardware prefetchers alone left a one-row pass over
+    /// Gemma's blocks at about half the machine's read bandwidth.
+    const PREFETCH: usize = 1024;
+
     /// Eight i32 lanes, each the sum of four adjacent products of unsigned `u` and signed
     /// `s` bytes (pair sums in i16 first: no saturation for values within 127).
     #[inline]
@@ -170,6 +175,7 @@ mod x86 {
                 let nb = x[0].blocks();
                 for b in 0..nb {
                     let blk = w.as_ptr().add(b * 20);
+                    _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(PREFETCH) as *const i8);
                     // (d, m) as f32 lanes 0 and 1.
                     let dm = _mm_cvtph_ps(_mm_cvtsi32_si128((blk as *const i32).read_unaligned()));
                     let packed = _mm_loadu_si128(blk.add(4) as *const __m128i);
@@ -207,6 +213,7 @@ mod x86 {
                 let nb = x[0].blocks();
                 for b in 0..nb {
                     let blk = w.as_ptr().add(b * BYTES);
+                    _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(PREFETCH) as *const i8);
                     let bits = (blk as *const u16).read_unaligned() as i32;
                     let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits)));
                     let wv = codes(blk);
@@ -328,6 +335,7 @@ mod x86 {
         for p in 0..nb / 2 {
             let b = 2 * p;
             let (b0, b1) = (w.as_ptr().add(b * 20), w.as_ptr().add((b + 1) * 20));
+            _mm_prefetch::<_MM_HINT_T0>(b0.wrapping_add(PREFETCH) as *const i8);
             let wv = _mm512_inserti64x4(_mm512_castsi256_si512(nibbles(b0)), nibbles(b1), 1);
             let (dm0, dm1) = (dm(b0), dm(b1));
             for r in 0..R {
@@ -374,6 +382,7 @@ mod x86 {
         for p in 0..nb / 2 {
             let b = 2 * p;
             let (b0, b1) = (w.as_ptr().add(b * 34), w.as_ptr().add((b + 1) * 34));
+            _mm_prefetch::<_MM_HINT_T0>(b0.wrapping_add(PREFETCH) as *const i8);
             let wv = _mm512_inserti64x4(_mm512_castsi256_si512(codes(b0)), codes(b1), 1);
             let wabs = _mm512_abs_epi8(wv);
             let negative = _mm512_movepi8_mask(wv);
