@@ -287,17 +287,18 @@ pub fn table(measured: &[BenchRecord], bandwidth: Option<f64>) -> String {
         .collect();
     if !parts.is_empty() {
         md.push_str(
-            "\nOne decode step of the instrumented engine (ms): the measured step, and each \
+            "\nOne decode step of each headwise engine (ms): the measured step, and each \
              part timed alone on the real weights; the rest is norms, RoPE, residuals, \
              the cache append and scheduling.\n\n\
-             | prompt tokens | step | matrices | LM head | attention | rest |\n\
-             | ---: | ---: | ---: | ---: | ---: | ---: |\n",
+             | engine | prompt tokens | step | matrices | LM head | attention | rest |\n\
+             | --- | ---: | ---: | ---: | ---: | ---: | ---: |\n",
         );
         for (r, p) in parts {
             let step = 1e3 / r.decode_tok_s;
             let (w, l, a) = (1e3 * p.weights_s, 1e3 * p.lm_head_s, 1e3 * p.attention_s);
             md.push_str(&format!(
-                "| {} | {step:.2} | {w:.2} | {l:.2} | {a:.2} | {:.2} |\n",
+                "| {} | {} | {step:.2} | {w:.2} | {l:.2} | {a:.2} | {:.2} |\n",
+                r.engine,
                 r.prompt_tokens,
                 step - w - l - a
             ));

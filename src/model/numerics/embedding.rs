@@ -27,7 +27,8 @@ pub enum Embedding {
 impl Embedding {
     /// Read the table `name` `(vocab, d_model)` from `src`: in [`Numerics::Fast`] the
     /// file's Q4_1, Q5_0 or Q8_0 bytes as they are (no `QTensor` is built, so the table is never
-    /// held twice), other types requantized to Q8_0 where the width allows; f32 otherwise.
+    /// held twice), Q4_K as Q4_1 blocks and other types requantized to Q8_0 where the width
+    /// allows; f32 otherwise.
     /// Returns the tensor too when the table is f32 (a tied LM head is built from it).
     pub fn load(
         src: &mut dyn TensorSource,

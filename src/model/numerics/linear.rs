@@ -5,7 +5,8 @@
 //!   weight type's dot-product partner, e.g. Q8_1 for Q4_1): the parity mode.
 //! * [`Numerics::Fast`] keeps one copy of each weight, in blocks
 //!   ([`BlockMatrix`](crate::model::numerics::kernels::BlockMatrix): Q4_1, Q5_0 and Q8_0 as the
-//!   file stores them, other types requantized to Q8_0), multiplied by 8-bit integer kernels
+//!   file stores them, Q4_K as Q4_1 blocks of its sub-blocks, other types requantized to
+//!   Q8_0), multiplied by 8-bit integer kernels
 //!   for a few rows (decode) and through dequantized cache-sized tiles and `gemm` for
 //!   many (prefill); no f32 copy of a weight is kept.
 
@@ -94,8 +95,9 @@ fn requantized_q8_0(weight: &QTensor) -> Result<Option<BlockMatrix>> {
 }
 
 /// The [`Numerics::Fast`] blocks of a 2-D weight `(out, in)`: Q4_1, Q5_0 and Q8_0 as the
-/// file stores them, any other type requantized to Q8_0; `None` if the width is not whole
-/// blocks or the weight is f32 in the file (kept exact).
+/// file stores them, Q4_K as Q4_1 blocks of its sub-blocks, any other type requantized to
+/// Q8_0; `None` if the width is not whole blocks or the weight is f32 in the file (kept
+/// exact).
 pub(crate) fn fast_blocks(weight: &QTensor) -> Result<Option<BlockMatrix>> {
     let (out, inp) = weight.shape().dims2()?;
     let file = |format| -> Result<Option<BlockMatrix>> {
@@ -109,6 +111,7 @@ pub(crate) fn fast_blocks(weight: &QTensor) -> Result<Option<BlockMatrix>> {
     match (weight.dtype(), Format::of(weight.dtype())) {
         (GgmlDType::F32, _) => Ok(None),
         (_, Some(format)) => file(format),
+        (GgmlDType::Q4K, None) => Ok(BlockMatrix::from_q4_k(&weight.data()?, out, inp)),
         (_, None) => requantized_q8_0(weight),
     }
 }

@@ -15,7 +15,7 @@ use std::cell::RefCell;
 
 use rayon::prelude::*;
 
-use super::blocks::{q5_0_to_q8_0, quantize_q8_0, Activations, Format, QK};
+use super::blocks::{q4_k_to_q4_1, q5_0_to_q8_0, quantize_q8_0, Activations, Format, QK};
 use super::dot::{weight_row, Supported};
 use super::isa::Isa;
 
@@ -63,6 +63,16 @@ impl BlockMatrix {
             return None;
         }
         Self::from_blocks(Format::Q8_0, quantize_q8_0(data), rows, cols)
+    }
+
+    /// A `(rows, cols)` matrix of GGUF Q4_K blocks as Q4_1 blocks of the same codes
+    /// ([`q4_k_to_q4_1`]: each sub-block's scale and minimum rounded to f16); `None` if
+    /// the sizes do not fit (`cols` must be whole Q4_K blocks of 256).
+    pub fn from_q4_k(blocks: &[u8], rows: usize, cols: usize) -> Option<Self> {
+        if !cols.is_multiple_of(256) || blocks.len() % 144 != 0 {
+            return None;
+        }
+        Self::from_blocks(Format::Q4_1, q4_k_to_q4_1(blocks), rows, cols)
     }
 
     /// The same values in Q8_0 blocks, if they fit them exactly (Q8_0 and Q5_0 do,
@@ -464,6 +474,44 @@ mod tests {
             assert_eq!(row, candle[4 * cols..5 * cols]);
             assert!(m.dequantize_row(rows, &mut row).is_none());
         }
+    }
+
+    #[test]
+    fn q4_k_blocks_become_q4_1_blocks_of_the_same_values() {
+        // candle quantizes to Q4_K and dequantizes with ggml's formula; the Q4_1 blocks
+        // must give each value up to the f16 rounding of its sub-block's scale and
+        // minimum: at most 2^-11 of |d| * 15 + |m|, itself at most 3 max |w| of the
+        // sub-block.
+        let (rows, cols) = (5, 512);
+        let mut data = floats(rows * cols, 51, 2.0);
+        data.iter_mut().step_by(7).for_each(|v| *v += 1.5); // sub-blocks with offsets
+        let t = Tensor::from_vec(data, (rows, cols), &Device::Cpu).unwrap();
+        let q = QTensor::quantize(&t, GgmlDType::Q4K).unwrap();
+        let want: Vec<f32> = q
+            .dequantize(&Device::Cpu)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let raw = q.data().unwrap().into_owned();
+        let m = BlockMatrix::from_q4_k(&raw, rows, cols).unwrap();
+        assert_eq!(
+            (m.format(), m.bytes()),
+            (Format::Q4_1, rows * cols / QK * 20)
+        );
+        let got = m.dequantize();
+        for (b, (g, w)) in got.chunks(QK).zip(want.chunks(QK)).enumerate() {
+            let amax = w.iter().fold(0f32, |a, v| a.max(v.abs()));
+            for (x, y) in g.iter().zip(w) {
+                assert!(
+                    (x - y).abs() <= 3.0 * amax / 2048.0 + 1e-7,
+                    "sub-block {b}: {x} vs {y}"
+                );
+            }
+        }
+        assert!(BlockMatrix::from_q4_k(&raw, rows, cols - 256).is_none());
+        assert!(BlockMatrix::from_q4_k(&raw[1..], rows, cols).is_none());
     }
 
     #[test]

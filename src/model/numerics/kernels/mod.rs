@@ -1,6 +1,7 @@
 //! The quantized matrix kernels of [`Numerics::Fast`](crate::model::Numerics::Fast):
 //! weights stay in GGUF's own 32-element blocks ([`Format::Q4_1`] as the file stores them,
-//! [`Format::Q5_0`] and [`Format::Q8_0`] likewise, every other type requantized to Q8_0), and
+//! [`Format::Q5_0`] and [`Format::Q8_0`] likewise, Q4_K as Q4_1 blocks of its 32-weight
+//! sub-blocks, every other type requantized to Q8_0), and
 //! no f32 copy of a weight is kept.
 //!
 //! * [`isa`]: which instruction set runs, chosen at run time (`HEADWISE_ISA` caps it);
