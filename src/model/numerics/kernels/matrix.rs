@@ -69,7 +69,7 @@ impl BlockMatrix {
     /// ([`q4_k_to_q4_1`]: each sub-block's scale and minimum rounded to f16); `None` if
     /// the sizes do not fit (`cols` must be whole Q4_K blocks of 256).
     pub fn from_q4_k(blocks: &[u8], rows: usize, cols: usize) -> Option<Self> {
-        if !cols.is_multiple_of(256) || blocks.len() % 144 != 0 {
+        if !cols.is_multiple_of(256) || !blocks.len().is_multiple_of(144) {
             return None;
         }
         Self::from_blocks(Format::Q4_1, q4_k_to_q4_1(blocks), rows, cols)
