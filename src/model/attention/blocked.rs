@@ -8,6 +8,7 @@ use candle_core::{Device, Tensor};
 use rayon::prelude::*;
 
 use crate::model::numerics::fast_exp;
+use crate::model::numerics::kernels::matrix::gemm_f32;
 use crate::Result;
 
 /// Query rows per task of [`blocked`]: one head's scores for a block, `(BLOCK, keys)`
@@ -74,7 +75,7 @@ pub(crate) fn blocked(
                         // operand (element (k, j) at `j * dh + k`). Every index stays inside
                         // its slice.
                         unsafe {
-                            product(
+                            gemm_f32(
                                 n,
                                 width,
                                 dh,
@@ -101,7 +102,7 @@ pub(crate) fn blocked(
                         // SAFETY: `ob` is `(n, dh)` row-major, `w` `(n, width)` row-major, and
                         // `vb` `(width, dh)` row-major (element (j, d) at `j * dh + d`).
                         unsafe {
-                            product(
+                            gemm_f32(
                                 n,
                                 dh,
                                 width,
@@ -123,47 +124,6 @@ pub(crate) fn blocked(
 thread_local! {
     /// One block's scores, reused across tasks on this thread.
     static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
-}
-
-/// `dst (m, n) = lhs (m, k) * rhs (k, n)` on this thread, `dst` and `lhs` row-major with
-/// row strides `dst_rs` and `lhs_rs`, `rhs` element (i, j) at `i * rhs_rs + j * rhs_cs`
-/// for `(rhs_cs, rhs_rs)`.
-///
-/// # Safety
-/// Every element so addressed must lie inside its buffer.
-#[allow(clippy::too_many_arguments)]
-unsafe fn product(
-    m: usize,
-    n: usize,
-    k: usize,
-    dst: *mut f32,
-    dst_rs: usize,
-    lhs: *const f32,
-    lhs_rs: usize,
-    rhs: *const f32,
-    (rhs_cs, rhs_rs): (usize, usize),
-) {
-    gemm::gemm(
-        m,
-        n,
-        k,
-        dst,
-        1,
-        dst_rs as isize,
-        false,
-        lhs,
-        1,
-        lhs_rs as isize,
-        rhs,
-        rhs_cs as isize,
-        rhs_rs as isize,
-        0.0,
-        1.0,
-        false,
-        false,
-        false,
-        gemm::Parallelism::None,
-    );
 }
 
 /// `softmax(row * scale + bias)` in place (all zeros when every entry is `-inf`).

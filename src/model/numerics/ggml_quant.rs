@@ -26,6 +26,7 @@ use candle_core::{Device, Tensor};
 use half::f16;
 use rayon::prelude::*;
 
+use crate::model::numerics::kernels::blocks::q4_k_scale_min;
 use crate::Result;
 
 /// Codes per `Q8_0` / `Q5_0` block.
@@ -114,16 +115,8 @@ impl QuantMatrix {
                 for b in raw.chunks_exact(144) {
                     d.push(half(&b[0..2]));
                     dmin.push(half(&b[2..4]));
-                    let s = &b[4..16];
                     for j in 0..8 {
-                        let (sc, m) = if j < 4 {
-                            (s[j] & 63, s[j + 4] & 63)
-                        } else {
-                            (
-                                (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4),
-                                (s[j + 4] >> 4) | ((s[j] >> 6) << 4),
-                            )
-                        };
+                        let (sc, m) = q4_k_scale_min(&b[4..16], j);
                         scales.push(sc as i32);
                         mins.push(m as i32);
                     }

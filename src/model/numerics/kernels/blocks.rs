@@ -122,6 +122,21 @@ pub fn q5_0_to_q8_0(blocks: &[u8]) -> Vec<u8> {
 /// Bytes of one GGUF Q4_K block of 256 weights.
 const Q4_K_BYTES: usize = 144;
 
+/// Sub-block `j`'s six-bit scale and minimum (`0..8`) from the twelve packed bytes `s` of
+/// a Q4_K block (ggml's `get_scale_min_k4`): sub-blocks 0-3 in the low six bits of bytes
+/// `j` and `j + 4`, sub-blocks 4-7 in the nibbles of byte `j + 4` with their top two bits
+/// in the top bits of bytes `j - 4` and `j`.
+pub(crate) fn q4_k_scale_min(s: &[u8], j: usize) -> (u8, u8) {
+    if j < 4 {
+        (s[j] & 63, s[j + 4] & 63)
+    } else {
+        (
+            (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4),
+            (s[j + 4] >> 4) | ((s[j] >> 6) << 4),
+        )
+    }
+}
+
 /// GGUF Q4_K blocks as Q4_1 blocks of the same codes. A Q4_K block holds 256 weights in
 /// eight sub-blocks of 32: f16 `d` and `dmin`, twelve bytes of six-bit sub-block scales
 /// `sc_j` and minimums `m_j`, then 128 bytes whose low nibbles are sub-block `2i` and high
@@ -135,16 +150,8 @@ pub fn q4_k_to_q4_1(blocks: &[u8]) -> Vec<u8> {
     for b in blocks.chunks_exact(Q4_K_BYTES) {
         let d = f16::from_le_bytes([b[0], b[1]]).to_f32();
         let dmin = f16::from_le_bytes([b[2], b[3]]).to_f32();
-        let s = &b[4..16];
         for j in 0..8 {
-            let (sc, m) = if j < 4 {
-                (s[j] & 63, s[j + 4] & 63)
-            } else {
-                (
-                    (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4),
-                    (s[j + 4] >> 4) | ((s[j] >> 6) << 4),
-                )
-            };
+            let (sc, m) = q4_k_scale_min(&b[4..16], j);
             out.extend(f16::from_f32(d * sc as f32).to_le_bytes());
             out.extend(f16::from_f32(-dmin * m as f32).to_le_bytes());
             let run = &b[16 + 32 * (j / 2)..][..32];

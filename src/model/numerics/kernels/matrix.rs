@@ -241,26 +241,16 @@ impl BlockMatrix {
                     // is read as the `(cols, m)` right operand: element (k, j) at
                     // `j * cols + k`. Every index stays inside its buffer.
                     unsafe {
-                        gemm::gemm(
+                        gemm_f32(
                             n,
                             m,
                             cols,
                             dst.as_mut_ptr(),
-                            1,
-                            m as isize,
-                            false,
+                            m,
                             x.as_ptr(),
-                            1,
-                            cols as isize,
+                            cols,
                             buf.as_ptr(),
-                            cols as isize,
-                            1,
-                            0.0,
-                            1.0,
-                            false,
-                            false,
-                            false,
-                            gemm::Parallelism::None,
+                            (cols, 1),
                         );
                     }
                 });
@@ -276,6 +266,47 @@ impl BlockMatrix {
         }
         y
     }
+}
+
+/// `dst (m, n) = lhs (m, k) * rhs (k, n)` on this thread, `dst` and `lhs` row-major with
+/// row strides `dst_rs` and `lhs_rs`, `rhs` element (i, j) at `i * rhs_rs + j * rhs_cs`
+/// for `(rhs_cs, rhs_rs)`.
+///
+/// # Safety
+/// Every element so addressed must lie inside its buffer.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn gemm_f32(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut f32,
+    dst_rs: usize,
+    lhs: *const f32,
+    lhs_rs: usize,
+    rhs: *const f32,
+    (rhs_cs, rhs_rs): (usize, usize),
+) {
+    gemm::gemm(
+        m,
+        n,
+        k,
+        dst,
+        1,
+        dst_rs as isize,
+        false,
+        lhs,
+        1,
+        lhs_rs as isize,
+        rhs,
+        rhs_cs as isize,
+        rhs_rs as isize,
+        0.0,
+        1.0,
+        false,
+        false,
+        false,
+        gemm::Parallelism::None,
+    );
 }
 
 /// One weight row against up to four activation rows, into `out`.
