@@ -321,17 +321,14 @@ fn run_task(task: &mut Task, step: &Step) {
     }
 }
 
-/// Bytes past the start of the row being read that [`prefetch`] asks for: the keys (and
-/// values) of one KV head are one stream, which the Xeon here (model 207) read at a
-/// fraction of its bandwidth with its hardware prefetchers alone.
-const PREFETCH_BYTES: usize = 1024;
-
-/// Ask for the cache lines [`PREFETCH_BYTES`] past each line of `row`, a row of a KV
+/// Ask for the cache lines
+/// [`PREFETCH_BYTES`](crate::model::numerics::kernels::PREFETCH_BYTES) past each line of `row`, a row of a KV
 /// head's contiguous keys or values (a hint only: results do not change).
 #[inline(always)]
 fn prefetch(row: &[f32]) {
     #[cfg(target_arch = "x86_64")]
     for line in (0..row.len()).step_by(16) {
+        use crate::model::numerics::kernels::PREFETCH_BYTES;
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
         let at = row.as_ptr().wrapping_add(line + PREFETCH_BYTES / 4);
         // SAFETY: a prefetch does not fault or read memory architecturally, whatever the

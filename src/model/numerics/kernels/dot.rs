@@ -124,11 +124,7 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::super::blocks::{Activations, QK};
-
-    /// Bytes ahead of the block being multiplied that every kernel prefetches into L1: on
-    /// the Xeon here (model 207) the hardware prefetchers alone left a one-row pass over
-    /// Gemma's blocks at about half the machine's read bandwidth.
-    const PREFETCH: usize = 1024;
+    use super::super::PREFETCH_BYTES as PREFETCH;
 
     /// Eight i32 lanes, each the sum of four adjacent products of unsigned `u` and signed
     /// `s` bytes (pair sums in i16 first: no saturation for values within 127).

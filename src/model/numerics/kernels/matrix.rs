@@ -472,6 +472,12 @@ mod tests {
         }
     }
 
+    /// `q` dequantized by candle, flat.
+    fn candle_values(q: &QTensor) -> Vec<f32> {
+        let t = q.dequantize(&Device::Cpu).unwrap();
+        t.flatten_all().unwrap().to_vec1().unwrap()
+    }
+
     #[test]
     fn blocks_dequantize_and_quantize_as_candle_does() {
         let (rows, cols) = (6, 96);
@@ -488,13 +494,7 @@ mod tests {
                 assert_eq!(quantize_q8_0(&data), raw, "Q8_0 codes differ from candle's");
             }
             let m = BlockMatrix::from_blocks(format, raw, rows, cols).unwrap();
-            let candle: Vec<f32> = q
-                .dequantize(&Device::Cpu)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap();
+            let candle = candle_values(&q);
             let ours = m.dequantize();
             assert!(ours
                 .iter()
@@ -518,13 +518,7 @@ mod tests {
         data.iter_mut().step_by(7).for_each(|v| *v += 1.5); // sub-blocks with offsets
         let t = Tensor::from_vec(data, (rows, cols), &Device::Cpu).unwrap();
         let q = QTensor::quantize(&t, GgmlDType::Q4K).unwrap();
-        let want: Vec<f32> = q
-            .dequantize(&Device::Cpu)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap();
+        let want = candle_values(&q);
         let raw = q.data().unwrap().into_owned();
         let m = BlockMatrix::from_q4_k(&raw, rows, cols).unwrap();
         assert_eq!(
