@@ -7,6 +7,7 @@ use std::path::Path;
 
 use candle_core::quantized::QTensor;
 use candle_core::{Device, Tensor, D};
+use rayon::prelude::*;
 
 use crate::model::attention;
 use crate::model::config::{Architecture, LayerSpec};
@@ -594,8 +595,9 @@ impl Model {
             for (l, block) in self.blocks.iter().enumerate() {
                 let h = self.norm(&x, &block.attn_norm)?;
                 let qkv = block.qkv.forward_each(&h)?;
+                // Rows attend in parallel: each over its own cache, as alone.
                 let heads = rows
-                    .iter_mut()
+                    .par_iter_mut()
                     .enumerate()
                     .map(|(i, row)| {
                         let own: Vec<Tensor> = qkv

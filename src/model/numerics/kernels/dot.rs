@@ -36,6 +36,11 @@ impl Supported {
     pub(super) fn new(isa: Isa) -> Self {
         Supported(if isa.supported() { isa } else { Isa::Portable })
     }
+
+    /// The instruction set that runs.
+    pub(super) fn isa(self) -> Isa {
+        self.0
+    }
 }
 
 /// `out[r] = sum over blocks of row `w` (`format`) times `x[r]`.
@@ -120,7 +125,7 @@ fn portable(format: Format, x: &Activations, w: &[u8]) -> f32 {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod x86 {
+pub(super) mod x86 {
     use std::arch::x86_64::*;
 
     use super::super::blocks::{Activations, QK};
@@ -137,7 +142,7 @@ mod x86 {
     /// The same lanes with one EVEX-encoded `vpdpbusd` (AVX-512 VNNI).
     #[inline]
     #[target_feature(enable = "avx512vnni,avx512vl")]
-    fn dot_vnni(u: __m256i, s: __m256i) -> __m256i {
+    pub(in crate::model::numerics::kernels) fn dot_vnni(u: __m256i, s: __m256i) -> __m256i {
         _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s)
     }
 
@@ -151,7 +156,7 @@ mod x86 {
     /// `((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))`.
     #[inline]
     #[target_feature(enable = "avx")]
-    fn hsum(v: __m256) -> f32 {
+    pub(in crate::model::numerics::kernels) fn hsum(v: __m256) -> f32 {
         let s4 = _mm_add_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
         let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
         _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)))
@@ -286,7 +291,7 @@ mod x86 {
     /// A 512-bit register from two 256-bit halves: `lo` in lanes 0-7, `hi` in 8-15.
     #[inline]
     #[target_feature(enable = "avx512f")]
-    fn join_ps(lo: __m256, hi: __m256) -> __m512 {
+    pub(in crate::model::numerics::kernels) fn join_ps(lo: __m256, hi: __m256) -> __m512 {
         _mm512_castpd_ps(_mm512_insertf64x4(
             _mm512_castpd256_pd512(_mm256_castps_pd(lo)),
             _mm256_castps_pd(hi),
@@ -297,12 +302,37 @@ mod x86 {
     /// The halves of a 512-bit register, `(lanes 0-7, lanes 8-15)`.
     #[inline]
     #[target_feature(enable = "avx512f")]
-    fn halves(v: __m512) -> (__m256, __m256) {
+    pub(in crate::model::numerics::kernels) fn halves(v: __m512) -> (__m256, __m256) {
         let d = _mm512_castps_pd(v);
         (
             _mm256_castpd_ps(_mm512_castpd512_pd256(d)),
             _mm256_castpd_ps(_mm512_extractf64x4_pd(d, 1)),
         )
+    }
+
+    /// The 32 nibbles of the Q4_1 block at `blk` as bytes, low halves first.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    pub(in crate::model::numerics::kernels) unsafe fn q4_1_nibbles(blk: *const u8) -> __m256i {
+        let low = _mm_set1_epi8(0x0F);
+        let packed = _mm_loadu_si128(blk.add(4) as *const __m128i);
+        let lo = _mm_and_si128(packed, low);
+        let hi = _mm_and_si128(_mm_srli_epi16(packed, 4), low);
+        _mm256_set_m128i(hi, lo)
+    }
+
+    /// The codes of the Q8_0 blocks at `b0` and `b1` (low and high half): their absolute
+    /// values, and the mask of the negative ones (AVX-512 has no `vpsignb`: the
+    /// activation is negated under it instead).
+    #[inline]
+    #[target_feature(enable = "avx512bw,avx512f,avx2")]
+    pub(in crate::model::numerics::kernels) unsafe fn q8_0_pair(
+        b0: *const u8,
+        b1: *const u8,
+    ) -> (__m512i, __mmask64) {
+        let codes = |blk: *const u8| _mm256_loadu_si256(blk.add(2) as *const __m256i);
+        let wv = _mm512_inserti64x4(_mm512_castsi256_si512(codes(b0)), codes(b1), 1);
+        (_mm512_abs_epi8(wv), _mm512_movepi8_mask(wv))
     }
 
     // AVX-512 VNNI: two blocks per 512-bit register, block `2p` in the low half and
@@ -314,13 +344,7 @@ mod x86 {
     /// Q4_1 row `w` against `R` activation rows, two blocks per step.
     #[target_feature(enable = "avx512vnni,avx512bw,avx512vl,avx512f,avx2,fma,f16c")]
     pub(super) unsafe fn q4_1_vnni<const R: usize>(x: [&Activations; R], w: &[u8]) -> [f32; R] {
-        let low = _mm_set1_epi8(0x0F);
-        let nibbles = |blk: *const u8| {
-            let packed = _mm_loadu_si128(blk.add(4) as *const __m128i);
-            let lo = _mm_and_si128(packed, low);
-            let hi = _mm_and_si128(_mm_srli_epi16(packed, 4), low);
-            _mm256_set_m128i(hi, lo)
-        };
+        let nibbles = |blk: *const u8| q4_1_nibbles(blk);
         // (d, m) of a block as f32 lanes 0 and 1.
         let dm =
             |blk: *const u8| _mm_cvtph_ps(_mm_cvtsi32_si128((blk as *const i32).read_unaligned()));
@@ -379,9 +403,7 @@ mod x86 {
             let b = 2 * p;
             let (b0, b1) = (w.as_ptr().add(b * 34), w.as_ptr().add((b + 1) * 34));
             _mm_prefetch::<_MM_HINT_T0>(b0.wrapping_add(PREFETCH) as *const i8);
-            let wv = _mm512_inserti64x4(_mm512_castsi256_si512(codes(b0)), codes(b1), 1);
-            let wabs = _mm512_abs_epi8(wv);
-            let negative = _mm512_movepi8_mask(wv);
+            let (wabs, negative) = q8_0_pair(b0, b1);
             let (d0, d1) = (d(b0), d(b1));
             for r in 0..R {
                 let xv = _mm512_loadu_si512(x[r].q.as_ptr().add(b * QK) as *const __m512i);

@@ -2,8 +2,9 @@
 //! product with rows of activations, `y_i = W x_i`.
 //!
 //! Fewer than [`TILED_MIN_ROWS`] activation rows (decode, small batches) go through the
-//! integer kernels of [`super::dot`]: each row quantized to 8 bits once, and each weight
-//! row streamed once for up to four activation rows at a time, every row's result the
+//! integer kernels: each row quantized to 8 bits once, and each weight row streamed once
+//! for up to four activation rows at a time ([`super::dot`]; up to sixteen on AVX-512
+//! VNNI, [`super::panel`]), every row's result the
 //! same as if it were computed alone. More rows (prefill) go through dequantized tiles:
 //! a few weight rows at a time are expanded to f32 in a per-thread buffer of about
 //! [`TILE_BYTES`] and multiplied with all activation rows by `gemm`, so the f32 weight
@@ -18,6 +19,7 @@ use rayon::prelude::*;
 use super::blocks::{q4_k_to_q4_1, q5_0_to_q8_0, quantize_q8_0, Activations, Format, QK};
 use super::dot::{weight_row, Supported};
 use super::isa::Isa;
+use super::panel::{self, Panel, PANEL};
 
 /// Activation rows from which a product goes through dequantized tiles and `gemm`.
 pub const TILED_MIN_ROWS: usize = 8;
@@ -172,31 +174,43 @@ impl BlockMatrix {
             .collect();
         let refs: Vec<&Activations> = acts.iter().collect();
         let rb = self.row_bytes();
-        // (rows, n): each weight row's n results side by side.
-        let mut t = vec![0f32; self.rows * n];
+        let mut y = vec![0f32; n * self.rows];
         if n == 0 {
-            return t;
+            return y;
         }
-        t.par_chunks_mut(ROWS_PER_TASK * n)
-            .enumerate()
-            .for_each(|(c, out)| {
-                for (i, o) in out.chunks_exact_mut(n).enumerate() {
-                    let r = c * ROWS_PER_TASK + i;
+        // Several rows on AVX-512 VNNI: panels of up to 16 rows, each weight row read
+        // once per panel (one row keeps the one-row kernel, tuned for decode latency).
+        let panels: Vec<Panel> = if n > 1 && panel::runs(isa, self.format) {
+            refs.chunks(PANEL).map(Panel::new).collect()
+        } else {
+            Vec::new()
+        };
+        let out = Columns(y.as_mut_ptr());
+        (0..self.rows.div_ceil(ROWS_PER_TASK))
+            .into_par_iter()
+            .for_each(|c| {
+                let mut o = vec![0f32; n];
+                for r in c * ROWS_PER_TASK..((c + 1) * ROWS_PER_TASK).min(self.rows) {
                     let w = &self.blocks[r * rb..(r + 1) * rb];
-                    for (xs, os) in refs.chunks(4).zip(o.chunks_mut(4)) {
-                        group(isa, self.format, xs, w, os);
+                    if panels.is_empty() {
+                        for (xs, os) in refs.chunks(4).zip(o.chunks_mut(4)) {
+                            group(isa, self.format, xs, w, os);
+                        }
+                    } else {
+                        for (p, os) in panels.iter().zip(o.chunks_mut(PANEL)) {
+                            panel::weight_row(isa, self.format, p, w, os);
+                        }
+                    }
+                    // Written in place, as the rows come: a task's consecutive weight
+                    // rows fill consecutive floats of each output row.
+                    for (i, v) in o.iter().enumerate() {
+                        // SAFETY: `i < n` and `r < rows`, so the element lies inside
+                        // `y` (`n * rows` long, alive until every task is done), and
+                        // column `r` is written by this task alone.
+                        unsafe { out.at(i * self.rows + r).write(*v) };
                     }
                 }
             });
-        if n == 1 {
-            return t;
-        }
-        let mut y = vec![0f32; n * self.rows];
-        for (r, row) in t.chunks_exact(n).enumerate() {
-            for (i, v) in row.iter().enumerate() {
-                y[i * self.rows + r] = *v;
-            }
-        }
         y
     }
 
@@ -309,6 +323,23 @@ pub(crate) unsafe fn gemm_f32(
     );
 }
 
+/// The output `(n, rows)` of one product, whose tasks each write the columns of their
+/// own weight rows.
+#[derive(Clone, Copy)]
+struct Columns(*mut f32);
+
+// SAFETY: the tasks of one product write disjoint elements through it (their own
+// columns), and the buffer outlives them (the parallel loop returns before it is read).
+unsafe impl Send for Columns {}
+unsafe impl Sync for Columns {}
+
+impl Columns {
+    /// Element `i` (a method, so that closures capture the whole wrapper).
+    fn at(self, i: usize) -> *mut f32 {
+        self.0.wrapping_add(i)
+    }
+}
+
 /// One weight row against up to four activation rows, into `out`.
 fn group(isa: Supported, format: Format, xs: &[&Activations], w: &[u8], out: &mut [f32]) {
     match *xs {
@@ -385,17 +416,20 @@ mod tests {
             // 3 and 18 blocks per row: odd and even counts for the two accumulators.
             for (rows, cols) in [(70, 96), (9, 576)] {
                 let m = random_blocks(format, rows, cols, 11 + cols as u32);
-                let mut x = floats(5 * cols, 5, 40.0);
-                x[3] = 1e4; // one block whose other codes round to zero
-                let reference = m.quantized_product(&x, 5, Isa::Portable);
-                for isa in Isa::available() {
-                    let got = m.quantized_product(&x, 5, isa);
-                    assert!(
-                        got.iter()
-                            .zip(&reference)
-                            .all(|(a, b)| a.to_bits() == b.to_bits()),
-                        "{format:?} {rows}x{cols}: {isa} differs from the portable loop"
-                    );
+                // 5 rows: groups of four; 17: a full panel of 16 and one more
+                for n in [5, 17] {
+                    let mut x = floats(n * cols, 5, 40.0);
+                    x[3] = 1e4; // one block whose other codes round to zero
+                    let reference = m.quantized_product(&x, n, Isa::Portable);
+                    for isa in Isa::available() {
+                        let got = m.quantized_product(&x, n, isa);
+                        assert!(
+                            got.iter()
+                                .zip(&reference)
+                                .all(|(a, b)| a.to_bits() == b.to_bits()),
+                            "{format:?} {rows}x{cols}, {n} rows: {isa} differs from the portable loop"
+                        );
+                    }
                 }
             }
         }
@@ -403,14 +437,15 @@ mod tests {
 
     #[test]
     fn a_row_gives_the_same_bits_in_any_batch() {
-        // up to 33 rows: batches of 4 and a remainder, beyond the tiled threshold
+        // up to 33 rows: groups of 4 and panels of 16 with remainders, beyond the tiled
+        // threshold
         let (rows, cols, n) = (33, 64, 33);
         for format in Format::ALL {
             let m = random_blocks(format, rows, cols, 3);
             let x = floats(n * cols, 9, 3.0);
             for isa in Isa::available() {
                 let all = m.quantized_product(&x, n, isa);
-                for k in [1, 2, 3, 5, 8, 32] {
+                for k in [1, 2, 3, 5, 8, 15, 16, 17, 32] {
                     let some = m.quantized_product(&x[..k * cols], k, isa);
                     assert_eq!(some, all[..k * rows], "{format:?} {isa}: {k} rows");
                 }

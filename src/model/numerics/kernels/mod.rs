@@ -8,6 +8,8 @@
 //! * [`blocks`]: the block layouts, activation rows quantized to 8 bits, dequantization;
 //! * [`dot`]: the block dot products of one weight row against 1-4 activation rows, one
 //!   implementation per instruction set, all computing the same floats;
+//! * [`panel`]: the same floats for up to 16 activation rows per weight row on AVX-512
+//!   VNNI (batches);
 //! * [`matrix`]: [`BlockMatrix`], the product of a block matrix with activation rows:
 //!   integer dot products for a few rows (decode, small batches), dequantized weight
 //!   tiles through a cache-sized f32 buffer and `gemm` for many (prefill).
@@ -16,6 +18,7 @@ pub mod blocks;
 mod dot;
 pub mod isa;
 pub mod matrix;
+mod panel;
 
 pub use blocks::{Activations, Format, QK};
 
