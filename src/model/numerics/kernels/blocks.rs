@@ -177,9 +177,21 @@ pub fn quantize_q8_0(x: &[f32]) -> Vec<u8> {
         let d = amax / 127.0;
         let inv = if d != 0.0 { 1.0 / d } else { 0.0 };
         out.extend(f16::from_f32(d).to_le_bytes());
-        out.extend(xb.iter().map(|v| (v * inv).round() as i8 as u8));
+        out.extend(xb.iter().map(|v| round_code(v * inv) as u8));
     }
     out
+}
+
+/// `v.round() as i8` for `|v| < 127.5` (a quantization code), and `0` for NaN as that
+/// cast gives, in operations the compiler vectorises: the cast saturates, which it does
+/// lane by lane in scalar code. The rounded value plus `1.5 * 2^23` holds it in its low
+/// mantissa bits.
+#[inline(always)]
+fn round_code(v: f32) -> i8 {
+    const SHIFT: f32 = 12_582_912.0;
+    let r = v.round();
+    let r = if r.is_nan() { 0.0 } else { r };
+    ((r + SHIFT).to_bits() as i32).wrapping_sub(SHIFT.to_bits() as i32) as i8
 }
 
 /// One activation row in 8-bit blocks.
@@ -202,7 +214,7 @@ impl Activations {
             let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
             let mut sum = 0i32;
             for (o, v) in qb.iter_mut().zip(xb) {
-                *o = (v * inv).round() as i8;
+                *o = round_code(v * inv);
                 sum += *o as i32;
             }
             scales.push([d, d * sum as f32]);
@@ -219,6 +231,28 @@ impl Activations {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn codes_round_as_the_saturating_cast_does() {
+        let mut v = -127.49f32;
+        while v < 127.5 {
+            assert_eq!(round_code(v), v.round() as i8, "{v}");
+            v += 0.0137;
+        }
+        for v in [
+            -127.5f32 + 1e-5,
+            -0.5,
+            -0.0,
+            0.5,
+            1.5,
+            2.5,
+            126.5,
+            127.49,
+            f32::NAN,
+        ] {
+            assert_eq!(round_code(v), v.round() as i8, "{v}");
+        }
+    }
 
     #[test]
     fn q8_0_round_trip_is_within_half_a_step() {
