@@ -11,7 +11,7 @@
 const LN2_HI: f32 = 0.693_145_75;
 const LN2_LO: f32 = 1.428_606_8e-6;
 /// Adding and subtracting `1.5 * 2^23` rounds an f32 below `2^22` to the nearest integer.
-const ROUND: f32 = 12_582_912.0;
+pub(crate) const ROUND: f32 = 12_582_912.0;
 /// Below this `exp` is not a normal f32; the result is flushed to zero.
 const LOWEST: f32 = -87.3;
 
@@ -25,17 +25,21 @@ pub fn exp(x: f32) -> f32 {
     let p = 1.0
         + r * (1.0
             + r * (0.5 + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r / 720.0)))));
-    // `t`'s low mantissa bits hold `n` (its exponent and top mantissa bit are those of
-    // `ROUND`), so `n` as an integer is read from the bits: `n as i32` is a saturating
-    // conversion that the compiler does lane by lane in scalar code (measured: the
-    // hottest loop of a batched decode step's attention).
-    let n_int = (t.to_bits() as i32).wrapping_sub(ROUND.to_bits() as i32);
-    let scale = f32::from_bits((n_int.wrapping_add(127) as u32) << 23);
+    let scale = f32::from_bits((held_integer(t).wrapping_add(127) as u32) << 23);
     if x < LOWEST {
         0.0
     } else {
         p * scale
     }
+}
+
+/// The integer `n` of `t = n + ROUND` (`|n| < 2^22`, `t` computed in f32): `t`'s exponent
+/// and top mantissa bit are those of [`ROUND`], its low mantissa bits hold `n`. Read from
+/// the bits because `as i32` saturates, which the compiler does lane by lane in scalar
+/// code (measured: the hottest loop of a batched decode step's attention).
+#[inline(always)]
+pub(crate) fn held_integer(t: f32) -> i32 {
+    (t.to_bits() as i32).wrapping_sub(ROUND.to_bits() as i32)
 }
 
 /// Independent accumulators of [`sum`] and [`max`]: a reduction into one float is a

@@ -14,6 +14,8 @@
 
 use half::f16;
 
+use crate::model::numerics::fast_exp::{held_integer, ROUND};
+
 /// Elements per block, weights and activations alike.
 pub const QK: usize = 32;
 
@@ -183,15 +185,12 @@ pub fn quantize_q8_0(x: &[f32]) -> Vec<u8> {
 }
 
 /// `v.round() as i8` for `|v| < 127.5` (a quantization code), and `0` for NaN as that
-/// cast gives, in operations the compiler vectorises: the cast saturates, which it does
-/// lane by lane in scalar code. The rounded value plus `1.5 * 2^23` holds it in its low
-/// mantissa bits.
+/// cast gives, in operations the compiler vectorises ([`held_integer`]).
 #[inline(always)]
 fn round_code(v: f32) -> i8 {
-    const SHIFT: f32 = 12_582_912.0;
     let r = v.round();
     let r = if r.is_nan() { 0.0 } else { r };
-    ((r + SHIFT).to_bits() as i32).wrapping_sub(SHIFT.to_bits() as i32) as i8
+    held_integer(r + ROUND) as i8
 }
 
 /// One activation row in 8-bit blocks.
