@@ -6,6 +6,8 @@
 //! every numerics, on tiny llama and Gemma 3 models whose matrices are stored in
 //! quantized blocks (so the integer kernels run, as on a real model file). And
 //! `generate_batch` gives every job the tokens and logits `generate` gives it alone.
+//! Prompt positions run as rows of a batch (several per sequence and step, beside
+//! other sequences' steps) give the bits of one-token steps alone.
 
 mod common;
 
@@ -116,7 +118,7 @@ fn head_cache(cfg: &Config, kind: usize, capacity: usize) -> HeadCache {
 
 /// What one sequence's decode steps gave: logits, and the observed final hidden state
 /// and last residual of every step.
-#[derive(Debug, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 struct Trace {
     logits: Vec<Vec<f32>>,
     observed: Vec<Vec<f32>>,
@@ -214,7 +216,8 @@ fn batched<C: Cache>(model: &Model, seqs: &[Seq], cache: &dyn Fn(&Seq) -> C) -> 
                 let seq = &seqs[*i];
                 BatchStep {
                     session,
-                    token: *token,
+                    tokens: std::slice::from_ref(token),
+                    logits: true,
                     observer: if seq.observe { rec } else { none },
                     edits: &seq.edits,
                 }
@@ -223,6 +226,7 @@ fn batched<C: Cache>(model: &Model, seqs: &[Seq], cache: &dyn Fn(&Seq) -> C) -> 
         let logits = step_batch(&mut batch).unwrap();
         drop(batch);
         for (((i, _, token), l), rec) in running.iter_mut().zip(&logits).zip(&recorders) {
+            let l = l.as_ref().unwrap();
             traces[*i].logits.push(row(l));
             if seqs[*i].observe {
                 traces[*i].observed.push(captured(rec));
@@ -281,6 +285,143 @@ fn a_sequence_decodes_the_same_bits_alone_and_in_any_batch() {
     }
 }
 
+/// Each sequence alone from an empty cache: every prompt token run by
+/// `Session::step` (a pass of one token), then greedy steps.
+fn stepped_alone(model: &Model, seqs: &[Seq], cache: &dyn Fn(&Seq) -> HeadCache) -> Vec<Trace> {
+    seqs.iter()
+        .map(|seq| {
+            let mut session = Session::with_cache(model, cache(seq));
+            let (head, last) = seq.prompt.split_at(seq.prompt.len() - 1);
+            for &t in head {
+                session.step(t, &mut NoObserver, &seq.edits).unwrap();
+            }
+            let mut token = last[0];
+            let mut trace = Trace {
+                logits: Vec::new(),
+                observed: Vec::new(),
+            };
+            for _ in 0..seq.steps {
+                let mut rec = recorder();
+                let observer: &mut dyn headwise::model::Observer = match seq.observe {
+                    true => &mut rec,
+                    false => &mut NoObserver,
+                };
+                let logits = session.step(token, observer, &seq.edits).unwrap();
+                if seq.observe {
+                    trace.observed.push(captured(&rec));
+                }
+                trace.logits.push(row(&logits));
+                token = argmax(&logits).unwrap();
+            }
+            trace
+        })
+        .collect()
+}
+
+/// All sequences through one batch from empty caches: each joins at its step with its
+/// prompt (but the last token) run as rows of the batch, at most `piece` positions per
+/// step, beside the other sequences' prompt rows and decode steps.
+fn prompts_in_batch(
+    model: &Model,
+    seqs: &[Seq],
+    cache: &dyn Fn(&Seq) -> HeadCache,
+    piece: usize,
+) -> Vec<Trace> {
+    let mut traces: Vec<Trace> = seqs
+        .iter()
+        .map(|_| Trace {
+            logits: Vec::new(),
+            observed: Vec::new(),
+        })
+        .collect();
+    // (sequence, session, prompt positions run, next token)
+    let mut running: Vec<(usize, Session<HeadCache>, usize, u32)> = Vec::new();
+    let mut mixed = false;
+    for t in 0.. {
+        for (i, seq) in seqs.iter().enumerate().filter(|(_, s)| s.join == t) {
+            let session = Session::with_cache(model, cache(seq));
+            running.push((i, session, 0, *seq.prompt.last().unwrap()));
+        }
+        running.retain(|(i, ..)| traces[*i].logits.len() < seqs[*i].steps);
+        if running.is_empty() && seqs.iter().all(|s| s.join <= t) {
+            break;
+        }
+        let mut recorders: Vec<Recorder> = running.iter().map(|_| recorder()).collect();
+        let mut nothing: Vec<NoObserver> = running.iter().map(|_| NoObserver).collect();
+        let mut batch: Vec<BatchStep<HeadCache>> = running
+            .iter_mut()
+            .zip(recorders.iter_mut().zip(nothing.iter_mut()))
+            .map(|((i, session, done, token), (rec, none))| {
+                let seq = &seqs[*i];
+                let head = &seq.prompt[..seq.prompt.len() - 1];
+                match *done < head.len() {
+                    true => BatchStep {
+                        session,
+                        tokens: &head[*done..(*done + piece).min(head.len())],
+                        logits: false,
+                        observer: none,
+                        edits: &seq.edits,
+                    },
+                    false => BatchStep {
+                        session,
+                        tokens: std::slice::from_ref(token),
+                        logits: true,
+                        observer: if seq.observe { rec } else { none },
+                        edits: &seq.edits,
+                    },
+                }
+            })
+            .collect();
+        let rows: Vec<usize> = batch.iter().map(|b| b.tokens.len()).collect();
+        mixed |= batch.iter().any(|b| !b.logits) && batch.iter().any(|b| b.logits);
+        let logits = step_batch(&mut batch).unwrap();
+        drop(batch);
+        for ((((i, _, done, token), l), rec), n) in
+            running.iter_mut().zip(&logits).zip(&recorders).zip(rows)
+        {
+            let Some(l) = l else {
+                *done += n;
+                continue;
+            };
+            traces[*i].logits.push(row(l));
+            if seqs[*i].observe {
+                traces[*i].observed.push(captured(rec));
+            }
+            *token = argmax(l).unwrap();
+        }
+    }
+    assert!(mixed, "no step ran prompt rows beside decode steps");
+    traces
+}
+
+#[test]
+fn prompt_positions_run_as_rows_of_a_batch_give_the_bits_of_single_steps() {
+    for (arch, cfg) in [("llama", llama()), ("gemma", gemma())] {
+        let w = Weights::random(cfg.clone(), 47);
+        for numerics in [Numerics::Fast, Numerics::Reference, Numerics::Ggml] {
+            for dtype in [GgmlDType::Q4_1, GgmlDType::Q8_0] {
+                let mut model = w.model_as(numerics, dtype);
+                let seqs = seqs(&cfg);
+                let heads = |s: &Seq| head_cache(&cfg, s.kind, s.prompt.len() + s.steps);
+                let want = stepped_alone(&model, &seqs, &heads);
+                for piece in [1, 3, 16] {
+                    let name = format!("{arch} {numerics:?} {dtype:?} pieces of {piece}");
+                    check(
+                        &name,
+                        want.clone(),
+                        prompts_in_batch(&model, &seqs, &heads, piece),
+                        &seqs,
+                    );
+                }
+                // A prefill in chunks of one position runs its prompt as one such row.
+                model.set_chunk(1);
+                let name = format!("{arch} {numerics:?} {dtype:?} chunks of 1");
+                check(&name, want, alone(&model, &seqs, &heads), &seqs);
+            }
+        }
+    }
+}
+
 #[test]
 fn a_batch_refuses_sessions_of_different_models() {
     let cfg = llama();
@@ -292,13 +433,15 @@ fn a_batch_refuses_sessions_of_different_models() {
     let mut batch = vec![
         BatchStep {
             session: &mut sa,
-            token: 1,
+            tokens: &[1],
+            logits: true,
             observer: &mut oa,
             edits: &edits,
         },
         BatchStep {
             session: &mut sb,
-            token: 2,
+            tokens: &[2],
+            logits: true,
             observer: &mut ob,
             edits: &edits,
         },
@@ -315,16 +458,19 @@ fn a_bad_row_fails_the_batch_before_any_cache_changes() {
     let (mut sa, mut sb) = (Session::new(&model, 8), Session::new(&model, 8));
     let edits = Interventions::new();
     let (mut oa, mut ob) = (NoObserver, NoObserver);
+    let bad = [cfg.vocab_size as u32];
     let mut batch = vec![
         BatchStep {
             session: &mut sa,
-            token: 1,
+            tokens: &[1],
+            logits: true,
             observer: &mut oa,
             edits: &edits,
         },
         BatchStep {
             session: &mut sb,
-            token: cfg.vocab_size as u32,
+            tokens: &bad,
+            logits: true,
             observer: &mut ob,
             edits: &edits,
         },
@@ -333,6 +479,38 @@ fn a_bad_row_fails_the_batch_before_any_cache_changes() {
     assert!(err.contains("outside the vocabulary"), "{err}");
     drop(batch);
     assert_eq!((sa.position(), sb.position()), (0, 0));
+}
+
+#[test]
+fn a_row_of_several_tokens_needs_a_per_head_cache_and_a_plain_observer() {
+    let cfg = llama();
+    let model = Weights::random(cfg.clone(), 5).model_as(Numerics::Fast, GgmlDType::Q8_0);
+    let edits = Interventions::new();
+    let mut plain = Session::new(&model, 8);
+    let mut none = NoObserver;
+    let mut batch = vec![BatchStep {
+        session: &mut plain,
+        tokens: &[1, 2],
+        logits: true,
+        observer: &mut none,
+        edits: &edits,
+    }];
+    let err = step_batch(&mut batch).unwrap_err().to_string();
+    assert!(err.contains("per-head cache"), "{err}");
+    drop(batch);
+    let mut heads = Session::with_cache(&model, head_cache(&cfg, 0, 8));
+    let mut rec = recorder();
+    let mut batch = vec![BatchStep {
+        session: &mut heads,
+        tokens: &[1, 2],
+        logits: true,
+        observer: &mut rec,
+        edits: &edits,
+    }];
+    let err = step_batch(&mut batch).unwrap_err().to_string();
+    assert!(err.contains("final hidden state"), "{err}");
+    drop(batch);
+    assert_eq!((plain.position(), heads.position()), (0, 0));
 }
 
 #[test]

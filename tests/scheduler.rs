@@ -645,3 +645,63 @@ fn small_prefill_chunks_let_running_streams_step_between_them_and_change_no_toke
         "{between} tokens of the running stream during the prefill"
     );
 }
+
+#[test]
+fn prompts_run_as_rows_of_the_batched_step_give_each_request_its_tokens_alone() {
+    // Chunks of one position: prompt positions are decode steps, so the scheduler runs
+    // them as rows of its batched step, at most 48 per iteration across the prompts
+    // waiting, beside the running streams. Each request, under each policy (SnapKV's
+    // full prefill and press at admission too), gives what it gives alone.
+    let runtimes = runtimes_with_chunk(1);
+    let alone: Vec<GenerateOutput> = (0..6)
+        .map(|i| {
+            runtimes[policy(i)]
+                .generate(&request(i), &mut |_| true)
+                .unwrap()
+        })
+        .collect();
+    let scheduler = Scheduler::new(
+        runtimes,
+        SchedulerConfig {
+            max_batch: 8,
+            kv_budget: None,
+            prefill_tokens: 48,
+            prefix_cache_bytes: 0,
+        },
+    )
+    .unwrap();
+    let (tx, rx) = channel();
+    for i in 0..6 {
+        let sink = Box::new(Probe {
+            id: i,
+            tx: tx.clone(),
+            tokens: 0,
+            stop_after: None,
+        });
+        scheduler.submit(policy(i), &request(i), sink).unwrap();
+    }
+    let (done, most) = collect(&rx, 6);
+    assert!(most >= 4, "at most {most} requests ran together");
+    for (i, want) in alone.iter().enumerate() {
+        let got = done[&i].as_ref().unwrap();
+        assert_eq!(got.tokens, want.tokens, "request {i} ({})", policy(i));
+        assert_eq!(got.stats.kv.end, want.stats.kv.end, "request {i}");
+    }
+    let load = scheduler.load();
+    assert!(settles(load));
+    use std::sync::atomic::Ordering::Relaxed;
+    let (prompt_rows, mixed) = (
+        load.prompt_rows.load(Relaxed),
+        load.mixed_steps.load(Relaxed),
+    );
+    // The streamed prompts' positions, but each one's last (its first step runs it).
+    let streamed: usize = (0..6)
+        .filter(|&i| policy(i) != "retrieval-snapkv-q8")
+        .map(|i| alone[i].stats.prompt_tokens - 1)
+        .sum();
+    assert_eq!(prompt_rows as usize, streamed);
+    assert!(
+        mixed > 0,
+        "no step ran prompt positions beside decode steps"
+    );
+}

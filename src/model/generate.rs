@@ -337,7 +337,8 @@ pub fn generate_batch(
             .filter(|s| s.stop.is_none())
             .map(|s| BatchStep {
                 session: &mut s.session,
-                token: s.tokens[s.tokens.len() - 1],
+                tokens: &s.tokens[s.tokens.len() - 1..],
+                logits: true,
                 observer: &mut s.observer,
                 edits: s.edits,
             })
@@ -349,7 +350,7 @@ pub fn generate_batch(
         drop(batch);
         let live = seqs.iter_mut().filter(|s| s.stop.is_none());
         for (s, l) in live.zip(logits) {
-            s.logits = l;
+            s.logits = l.ok_or(Error::Internal("a step's logits"))?;
         }
     }
     Ok(seqs

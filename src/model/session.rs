@@ -8,8 +8,9 @@
 //!
 //! The cache is either the plain per-layer [`KvCache`] (every head keeps every position)
 //! or the per-head [`HeadCache`] of a policy; both are a [`Cache`]. [`step_batch`]
-//! advances several sessions by one token in one pass (continuous batching), each
-//! session's logits the same as its own [`Session::step`] would give.
+//! advances several sessions in one pass (continuous batching), by one token each or,
+//! for a session prefilling its prompt, by several run as steps of their own; each
+//! session's logits are the same as its own [`Session::step`]s would give.
 
 use candle_core::Tensor;
 
@@ -174,20 +175,24 @@ impl<'m, C: Cache> Session<'m, C> {
     }
 }
 
-/// One session's part of a [`step_batch`]: the token it runs, with its own observer and
+/// One session's part of a [`step_batch`]: the tokens it runs (one for a decode step;
+/// several for a part of its prompt, each run as a step of its own, which needs a
+/// per-head cache), whether it wants the last one's logits, and its own observer and
 /// edits.
 pub struct BatchStep<'s, 'm, C: Cache> {
     pub session: &'s mut Session<'m, C>,
-    pub token: u32,
+    pub tokens: &'s [u32],
+    pub logits: bool,
     pub observer: &'s mut dyn Observer,
     pub edits: &'s Interventions,
 }
 
-/// Run one token of every session in `batch` in one forward pass (the weights read once
-/// for all of them); each session's logits `(1, vocab)`, in order, bit-identical to
-/// what its own [`Session::step`] gives, whatever else is in the batch. The sessions
-/// must run the same model.
-pub fn step_batch<C: Cache>(batch: &mut [BatchStep<'_, '_, C>]) -> Result<Vec<Tensor>> {
+/// Run the tokens of every session in `batch` in one forward pass (the weights read
+/// once for all of them); per session, in order, the logits `(1, vocab)` of its last
+/// token where it asked for them, bit-identical to what its own [`Session::step`] of
+/// each token in turn gives, whatever else is in the batch. The sessions must run the
+/// same model.
+pub fn step_batch<C: Cache>(batch: &mut [BatchStep<'_, '_, C>]) -> Result<Vec<Option<Tensor>>> {
     let Some(model) = batch.first().map(|b| b.session.model) else {
         return Ok(Vec::new());
     };
@@ -198,7 +203,8 @@ pub fn step_batch<C: Cache>(batch: &mut [BatchStep<'_, '_, C>]) -> Result<Vec<Te
         .iter_mut()
         .map(|b| DecodeRow {
             cache: b.session.cache.target(),
-            token: b.token,
+            tokens: b.tokens,
+            logits: b.logits,
             observer: &mut *b.observer,
             edits: b.edits,
         })

@@ -18,7 +18,9 @@ use crate::model::numerics::embedding::Embedding;
 use crate::model::numerics::ggml;
 use crate::model::numerics::linear::Projections;
 use crate::model::numerics::Ops;
-use crate::model::{Config, HeadCache, Interventions, KvCache, Linear, Numerics, Observer, Rope};
+use crate::model::{
+    Config, HeadCache, Interventions, KvCache, Linear, Numerics, Observer, Rope, Wants,
+};
 use crate::{Error, Result};
 
 /// Which positions' logits a forward pass returns.
@@ -409,7 +411,10 @@ impl Model {
     /// model in chunks, appending their keys and values to `cache`.
     ///
     /// Returns logits `(1, vocab)` for [`Logits::Last`] or `(tokens.len(), vocab)` for
-    /// [`Logits::All`]. The observer is called once per chunk ([`Observer::begin`]).
+    /// [`Logits::All`]. The observer is called once per chunk ([`Observer::begin`]); with
+    /// chunks of one position over a per-head cache, an observer that wants at most the
+    /// final hidden state is called once for the whole pass (the positions then run as
+    /// one row of [`Model::decode_batch`], the same bits as one pass each).
     pub fn forward(
         &self,
         tokens: &[u32],
@@ -494,6 +499,32 @@ impl Model {
         edits: &Interventions,
     ) -> Result<Tensor> {
         self.check_step(tokens, &cache, &*observer, edits)?;
+        // Chunks of one token are decode steps: a per-head cache runs them as one row of
+        // a batched step (the same bits, the weights read once for all of them).
+        let wants = observer.wants();
+        if self.chunk == 1
+            && tokens.len() > 1
+            && matches!(cache, CacheMut::Heads(_))
+            && logits == Logits::Last
+            && wants
+                == (Wants {
+                    final_hidden: wants.final_hidden,
+                    ..Wants::default()
+                })
+        {
+            let mut row = [DecodeRow {
+                cache,
+                tokens,
+                logits: true,
+                observer,
+                edits,
+            }];
+            return self
+                .decode_batch(&mut row)?
+                .pop()
+                .flatten()
+                .ok_or(Error::Internal("a row's logits"));
+        }
         let mut outs = Vec::new();
         let n_chunks = tokens.len().div_ceil(self.chunk);
         // Run the pass on a worker of rayon's pool: its parallel matmuls and attention
@@ -570,23 +601,52 @@ impl Model {
         })
     }
 
-    /// One decode step of several sequences: each row's token at the position after its
-    /// own cache, appended to that cache. The matrices run once over all rows (every
-    /// weight read once per step), each row's arithmetic as if it ran alone
-    /// ([`Linear::forward_each`]); attention runs per row over its own cache. So a row's
-    /// logits `(1, vocab)` are bit-identical whatever else is in the batch, and equal to a
-    /// single-sequence step ([`Model::forward`] / [`Model::forward_heads`] with one token).
-    pub fn decode_batch(&self, rows: &mut [DecodeRow<'_>]) -> Result<Vec<Tensor>> {
+    /// One decode step of several sequences: each row's tokens at the positions after its
+    /// own cache, appended to that cache, each token run as a decode step of its own (a
+    /// row of several tokens is a part of a prompt prefilled one position at a time). The
+    /// matrices run once over all tokens of all rows (every weight read once per step),
+    /// each token's arithmetic as if it ran alone ([`Linear::forward_each`]); attention
+    /// runs per row over its own cache, its tokens in order. So a token's result is
+    /// bit-identical whatever else is in the batch, and equal to a single-sequence step
+    /// ([`Model::forward`] / [`Model::forward_heads`] with one token). Returns, per row,
+    /// the logits `(1, vocab)` of its last token where the row asks for them.
+    ///
+    /// A row of several tokens needs a per-head cache and an observer that wants at most
+    /// the final hidden state (given for its last token).
+    pub fn decode_batch(&self, rows: &mut [DecodeRow<'_>]) -> Result<Vec<Option<Tensor>>> {
         if rows.is_empty() {
             return Ok(Vec::new());
         }
         for row in rows.iter() {
-            self.check_step(&[row.token], &row.cache, &*row.observer, row.edits)?;
+            self.check_step(row.tokens, &row.cache, &*row.observer, row.edits)?;
+            let wants = row.observer.wants();
+            let only_hidden = Wants {
+                final_hidden: wants.final_hidden,
+                ..Wants::default()
+            };
+            if row.tokens.len() > 1
+                && (matches!(row.cache, CacheMut::Plain(_)) || wants != only_hidden)
+            {
+                return Err(Error::invalid(
+                    "batch",
+                    "a row of several tokens needs a per-head cache and an observer that \
+                     wants at most the final hidden state",
+                ));
+            }
         }
-        let tokens: Vec<u32> = rows.iter().map(|r| r.token).collect();
-        rayon::scope(|_| -> Result<Vec<Tensor>> {
+        // Token `t` of the pass belongs to row `owner[t]`; each row's tokens are contiguous.
+        let tokens: Vec<u32> = rows.iter().flat_map(|r| r.tokens.iter().copied()).collect();
+        let firsts: Vec<usize> = rows
+            .iter()
+            .scan(0, |at, r| {
+                let first = *at;
+                *at += r.tokens.len();
+                Some(first)
+            })
+            .collect();
+        rayon::scope(|_| -> Result<Vec<Option<Tensor>>> {
             for row in rows.iter_mut() {
-                row.observer.begin(row.cache.len(), 1);
+                row.observer.begin(row.cache.len(), row.tokens.len());
             }
             let mut x = self.embed.lookup(&tokens)?;
             if self.embed_scale != 1.0 {
@@ -595,38 +655,89 @@ impl Model {
             for (l, block) in self.blocks.iter().enumerate() {
                 let h = self.norm(&x, &block.attn_norm)?;
                 let qkv = block.qkv.forward_each(&h)?;
-                // Rows attend in parallel: each over its own cache, as alone.
+                // Rows attend in parallel, each over its own cache as alone; a row's
+                // tokens one after another, each seeing the ones before it.
                 let heads = rows
                     .par_iter_mut()
-                    .enumerate()
-                    .map(|(i, row)| {
-                        let own: Vec<Tensor> = qkv
-                            .iter()
-                            .map(|t| t.narrow(0, i, 1))
-                            .collect::<candle_core::Result<_>>()?;
+                    .zip(&firsts)
+                    .map(|(row, &first)| {
                         let start = row.cache.len();
                         let (observer, edits) = (&mut *row.observer, row.edits);
-                        self.attend(l, block, &own, start, None, &mut row.cache, observer, edits)
+                        (0..row.tokens.len())
+                            .map(|j| {
+                                let own: Vec<Tensor> = qkv
+                                    .iter()
+                                    .map(|t| t.narrow(0, first + j, 1))
+                                    .collect::<candle_core::Result<_>>()?;
+                                self.attend(
+                                    l,
+                                    block,
+                                    &own,
+                                    start + j,
+                                    None,
+                                    &mut row.cache,
+                                    observer,
+                                    edits,
+                                )
+                            })
+                            .collect::<Result<Vec<_>>>()
                     })
                     .collect::<Result<Vec<_>>>()?;
+                let heads: Vec<Tensor> = heads.into_iter().flatten().collect();
                 let attn = block.wo.forward_each(&Tensor::cat(&heads, 0)?)?;
                 x = self.post_attention(block, x, attn, Rows::Each)?;
-                for (i, row) in rows.iter_mut().enumerate() {
+                for (row, &first) in rows.iter_mut().zip(&firsts) {
                     if row.observer.wants().residual {
-                        row.observer.residual(l, &x.narrow(0, i, 1)?);
+                        row.observer.residual(l, &x.narrow(0, first, 1)?);
                     }
                 }
             }
             let h = self.norm(&x, &self.final_norm)?;
-            for (i, row) in rows.iter_mut().enumerate() {
-                row.cache.commit(1);
+            // The last token of each row: its hidden state, and logits where asked.
+            let lasts: Vec<usize> = rows
+                .iter()
+                .zip(&firsts)
+                .map(|(r, &first)| first + r.tokens.len() - 1)
+                .collect();
+            for (row, &last) in rows.iter_mut().zip(&lasts) {
+                row.cache.commit(row.tokens.len());
                 if row.observer.wants().final_hidden {
-                    row.observer.final_hidden(&h.narrow(0, i, 1)?);
+                    row.observer.final_hidden(&h.narrow(0, last, 1)?);
                 }
             }
-            let logits = self.lm_head.forward_each(&h)?;
-            (0..rows.len())
-                .map(|i| Ok(logits.narrow(0, i, 1)?))
+            let asked: Vec<usize> = rows
+                .iter()
+                .zip(&lasts)
+                .filter(|(r, _)| r.logits)
+                .map(|(_, &last)| last)
+                .collect();
+            let logits = match asked.len() {
+                0 => None,
+                n => {
+                    let index = Tensor::new(
+                        asked.iter().map(|&t| t as u32).collect::<Vec<_>>(),
+                        h.device(),
+                    )?;
+                    let picked = match n == tokens.len() {
+                        true => h,
+                        false => h.index_select(&index, 0)?,
+                    };
+                    Some(self.lm_head.forward_each(&picked)?)
+                }
+            };
+            let mut next = 0;
+            rows.iter()
+                .map(|r| {
+                    if !r.logits {
+                        return Ok(None);
+                    }
+                    let l = logits
+                        .as_ref()
+                        .ok_or(Error::Internal("logits for every row that asks"))?
+                        .narrow(0, next, 1)?;
+                    next += 1;
+                    Ok(Some(l))
+                })
                 .collect()
         })
     }
@@ -812,10 +923,13 @@ impl CacheMut<'_> {
 }
 
 /// One sequence's part of a batched decode step ([`Model::decode_batch`]): its cache,
-/// the token to run, and its own observer and edits.
+/// the tokens to run (one for a decode step; several for a part of a prompt, each run
+/// as a step of its own), whether to return the last one's logits, and its own observer
+/// and edits.
 pub struct DecodeRow<'a> {
     pub cache: CacheMut<'a>,
-    pub token: u32,
+    pub tokens: &'a [u32],
+    pub logits: bool,
     pub observer: &'a mut dyn Observer,
     pub edits: &'a Interventions,
 }

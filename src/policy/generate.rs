@@ -19,7 +19,7 @@ use crate::model::{
 use crate::policy::evict::{Observe, Observed};
 use crate::policy::explain::{ExplainConfig, HeadReads, TokenExplain};
 use crate::policy::plan::{DynamicSource, Plan, Prefill};
-use crate::policy::prefix::Prefix;
+use crate::policy::prefix::{prefix_grain, Prefix};
 use crate::policy::presses::kvzip::{reconstruct, RepeatPrompt};
 use crate::{Error, Result};
 
@@ -310,6 +310,10 @@ pub struct Decoding<'a> {
     /// A streaming prefill's positions (all of the prompt but its last token), of
     /// which `done` have run.
     pending: Vec<u32>,
+    /// Prompt positions staged for the next batched step ([`Decoding::stage_prefill`]).
+    staged: usize,
+    /// The prefill's observer: the last prompt position's final hidden state.
+    prefill_hidden: LastHidden,
     done: usize,
     /// Positions taken from a shared prefix.
     cached_tokens: usize,
@@ -496,6 +500,8 @@ impl<'a> Decoding<'a> {
             plan,
             session: session.with_sampling(opts.sampling)?,
             pending,
+            staged: 0,
+            prefill_hidden: LastHidden::new(true),
             done,
             cached_tokens: done,
             offered: false,
@@ -559,44 +565,104 @@ impl<'a> Decoding<'a> {
         if self.ready {
             return Ok(0);
         }
+        let n = self.prefill_part(max_tokens);
+        if n > 0 {
+            let part = &self.pending[self.done..self.done + n];
+            self.session
+                .prefill(part, &mut self.prefill_hidden, &self.plan.edits)?;
+        }
+        self.prefilled(n)?;
+        Ok(n)
+    }
+
+    /// Stage up to `max_tokens` more prompt positions to run as one row of the next
+    /// batched step ([`Decoding::prefill_step`]), each position a decode step of its
+    /// own: for a model whose prefill chunk is one position, what
+    /// [`Decoding::prefill_some`] computes. Returns how many were staged (0 ends a
+    /// prefill with nothing left to run).
+    pub fn stage_prefill(&mut self, max_tokens: usize) -> Result<usize> {
+        if self.session.model().chunk() != 1 {
+            return Err(Error::Internal(
+                "prompt rows in a batch need one-position chunks",
+            ));
+        }
+        if self.ready {
+            return Ok(0);
+        }
+        let n = self.prefill_part(max_tokens);
+        self.staged = n;
+        if n == 0 {
+            self.prefilled(0)?;
+        }
+        Ok(n)
+    }
+
+    /// Prompt positions staged for the next batched step.
+    pub fn staged(&self) -> usize {
+        self.staged
+    }
+
+    /// The staged prompt positions as one row of a batched step, no logits asked.
+    pub fn prefill_step(&mut self) -> BatchStep<'_, 'a, HeadCache> {
+        BatchStep {
+            session: &mut self.session,
+            tokens: &self.pending[self.done..self.done + self.staged],
+            logits: false,
+            observer: &mut self.prefill_hidden,
+            edits: &self.plan.edits,
+        }
+    }
+
+    /// After the batched step that ran the staged positions.
+    pub fn prefill_stepped(&mut self) -> Result<()> {
+        let n = std::mem::take(&mut self.staged);
+        self.prefilled(n)
+    }
+
+    /// Prompt positions the next prefill call runs for `max_tokens`: whole chunks,
+    /// stopping once at the deepest point where the prefix can be shared.
+    fn prefill_part(&self, max_tokens: usize) -> usize {
         let chunk = self.session.model().chunk();
         let mut n = max_tokens
             .max(1)
             .checked_next_multiple_of(chunk)
             .unwrap_or(usize::MAX)
             .min(self.prefill_left());
-        // Stop at the deepest chunk boundary once, where the prefix can be shared.
         let boundary = self.boundary();
         if self.done < boundary {
             n = n.min(boundary - self.done);
         }
+        n
+    }
+
+    /// Account for `n` prompt positions that ran; once none is left, the top-k
+    /// restrictions start and the next call is a step.
+    fn prefilled(&mut self, n: usize) -> Result<()> {
         if n > 0 {
-            let part = &self.pending[self.done..self.done + n];
-            let mut obs = LastHidden::new(true);
-            self.session.prefill(part, &mut obs, &self.plan.edits)?;
-            self.hidden = obs.hidden;
+            self.hidden = self.prefill_hidden.hidden.take();
             self.done += n;
             let peak = self.session.cache().peak_bytes().total();
             self.prefill_peak = self.prefill_peak.max(peak);
         }
-        if self.prefill_left() == 0 {
+        if self.prefill_left() == 0 && !self.ready {
             for &(layer, head, tk) in &self.plan.topk {
                 self.session.cache_mut().set_topk(layer, head, Some(tk))?;
             }
             self.ready = true;
         }
-        Ok(n)
+        Ok(())
     }
 
-    /// The deepest whole number of prefill chunks in the streamed prefill.
+    /// The deepest point of the streamed prefill where its prefix can be shared: a
+    /// whole number of [`PREFIX_GRAIN`]-sized steps of whole prefill chunks.
     fn boundary(&self) -> usize {
-        let chunk = self.session.model().chunk();
-        self.pending.len() / chunk * chunk
+        let grain = prefix_grain(self.session.model().chunk());
+        self.pending.len() / grain * grain
     }
 
     /// The prompt prefix this prefill has just reached, for later requests to continue
     /// ([`Decoding::begin_with`]): offered once, when a streaming prefill stands at its
-    /// deepest chunk boundary (and that is more than it started from).
+    /// deepest shareable point (and that is more than it started from).
     pub fn take_prefix(&mut self) -> Option<Prefix> {
         let at = self.boundary();
         let share = !self.offered
@@ -665,7 +731,8 @@ impl<'a> Decoding<'a> {
     pub fn batch_step(&mut self) -> BatchStep<'_, 'a, HeadCache> {
         BatchStep {
             session: &mut self.session,
-            token: self.input,
+            tokens: std::slice::from_ref(&self.input),
+            logits: true,
             observer: &mut self.observer,
             edits: &self.plan.edits,
         }

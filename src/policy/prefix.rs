@@ -3,14 +3,25 @@
 //! whose prompts start with it continue from a copy of its per-head cache.
 //!
 //! A [`Prefix`] holds a whole number of the model's prefill chunks (a streaming
-//! prefill taken at its deepest chunk boundary), so a request continued from it runs the
-//! rest of its prompt in exactly the chunks a cold prefill would: its tokens are the
-//! same bits. Only policies that stream their prefill share prefixes (a press decides
+//! prefill taken at its deepest multiple of [`prefix_grain`]), so a request continued
+//! from it runs the rest of its prompt in exactly the chunks a cold prefill would: its
+//! tokens are the same bits. Only policies that stream their prefill share prefixes (a press decides
 //! what to keep from the whole prompt, so its result does not continue). The
 //! [`PrefixCache`] keeps prefixes per policy under a byte cap, evicting the least
 //! recently used; a hit copies the prefix (the copy then grows on its own).
 
 use crate::model::HeadCache;
+
+/// Prefixes are kept at multiples of about this many positions: with small prefill
+/// chunks (one position, when prompts run as decode steps), every position could be
+/// shared, and a prompt's own question would end its prefix.
+pub const PREFIX_GRAIN: usize = 256;
+
+/// The spacing of the points where a prefill with chunks of `chunk` positions can be
+/// shared: the smallest multiple of `chunk` not below [`PREFIX_GRAIN`].
+pub fn prefix_grain(chunk: usize) -> usize {
+    PREFIX_GRAIN.div_ceil(chunk.max(1)) * chunk.max(1)
+}
 
 /// A prefilled prompt prefix under one policy.
 #[derive(Debug, Clone)]
@@ -125,6 +136,14 @@ mod tests {
             cache: HeadCache::new(&cfg, &retention, RowFormat::F32, tokens.len()).unwrap(),
             hidden: None,
         }
+    }
+
+    #[test]
+    fn prefixes_are_shared_at_whole_chunks_near_the_grain() {
+        assert_eq!(prefix_grain(1), 256);
+        assert_eq!(prefix_grain(256), 256);
+        assert_eq!(prefix_grain(100), 300);
+        assert_eq!(prefix_grain(512), 512);
     }
 
     #[test]

@@ -83,7 +83,9 @@ impl RuntimeBuilder {
     /// [`crate::model::DEFAULT_CHUNK`]]. Every generation of the runtime (alone or in a
     /// [`crate::policy::Scheduler`]'s batch) prefills in chunks of this size, so a
     /// scheduler can run decode steps between any two of them; each size is its own
-    /// summation order (logits differ from another size's in the last bits).
+    /// summation order (logits differ from another size's in the last bits). At 1 every
+    /// prompt position is a decode step, and a scheduler runs them as rows of its
+    /// batched step.
     pub fn prefill_chunk(mut self, chunk: usize) -> Self {
         self.chunk = Some(chunk);
         self

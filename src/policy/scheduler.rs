@@ -14,13 +14,18 @@
 //! 3. prefills at most `prefill_tokens` prompt positions (whole chunks of the model's
 //!    prefill) of the admitted sequences still prefilling, oldest first, so that a long
 //!    new prompt is spread over several iterations instead of stalling the running
-//!    streams (a `full_then_evict` policy prefills and presses whole at admission); with
-//!    `prefix_cache_bytes`, a streaming prefill's deepest chunk boundary is kept in a
-//!    [`PrefixCache`], and a later request of the same policy whose prompt starts with
+//!    streams (a `full_then_evict` policy prefills and presses whole at admission). When
+//!    the model's prefill chunk is one position, a prompt position is a decode step, so
+//!    those positions run as rows of the iteration's batched step (below) instead of a
+//!    pass of their own: prompts of several sequences and the running streams share
+//!    one read of the weights. With `prefix_cache_bytes`, a streaming prefill's deepest
+//!    shareable point ([`prefix_grain`](crate::policy::prefix::prefix_grain)) is kept in
+//!    a [`PrefixCache`], and a later request of the same policy whose prompt starts with
 //!    it continues from a copy instead of prefilling it again;
-//! 4. runs one batched decode step of every prefilled sequence and hands each its
-//!    token ([`Sink::token`]); finished and cancelled sequences leave at once, their
-//!    caches freed and their reservation returned.
+//! 4. runs one batched decode step of every prefilled sequence (with the staged prompt
+//!    positions) and hands each decoded sequence its token ([`Sink::token`]); finished
+//!    and cancelled sequences leave at once, their caches freed and their reservation
+//!    returned.
 //!
 //! Greedy tokens are the same as [`Runtime::generate`]'s for the same request, whatever
 //! else runs (tested on the real model).
@@ -95,9 +100,14 @@ pub struct Load {
     pub reserved_bytes: AtomicUsize,
     /// KV bytes their caches hold now.
     pub used_bytes: AtomicUsize,
-    /// Batched decode steps run, and the rows they ran (mean batch size = rows / steps).
+    /// Batched steps run that decoded, and the sequences they decoded (mean batch size =
+    /// rows / steps; prompt positions run in a step are not counted).
     pub steps: AtomicU64,
     pub rows: AtomicU64,
+    /// Prompt positions run as rows of batched steps (prefill chunks of one position),
+    /// and the steps that ran some beside decoding sequences.
+    pub prompt_rows: AtomicU64,
+    pub mixed_steps: AtomicU64,
     /// Requests that continued a shared prefix, and the prompt tokens they did not
     /// prefill.
     pub prefix_hits: AtomicU64,
@@ -385,13 +395,22 @@ fn run(
                 Err(e) => job.sink.done(Err(e)),
             }
         }
-        // 3. Prefill under the per-iteration token budget, oldest first.
+        // 3. Prefill under the per-iteration token budget, oldest first. With prefill
+        // chunks of one position, prompt positions are decode steps: they are staged
+        // to run as rows of this iteration's batched step.
         let mut budget = cfg.prefill_tokens;
-        for r in running.iter_mut().filter(|r| !r.decoding.ready()) {
+        for r in running
+            .iter_mut()
+            .filter(|r| r.end.is_none() && !r.decoding.ready())
+        {
             if budget == 0 {
                 break;
             }
-            match r.decoding.prefill_some(budget) {
+            let ran = match r.rt.model().model.chunk() {
+                1 => r.decoding.stage_prefill(budget),
+                _ => r.decoding.prefill_some(budget),
+            };
+            match ran {
                 Ok(n) => budget = budget.saturating_sub(n),
                 Err(e) => r.end = Some(Err(e)),
             }
@@ -401,7 +420,8 @@ fn run(
                 }
             }
         }
-        // 4. One batched decode step of every prefilled sequence.
+        // 4. One batched step: a decode step of every prefilled sequence, and the staged
+        // prompt positions of the others.
         for r in running.iter_mut().filter(|r| r.end.is_none()) {
             if r.sink.cancelled() {
                 r.end = Some(Ok(StopReason::Cancelled));
@@ -411,25 +431,45 @@ fn run(
                 }
             }
         }
-        let stepping: Vec<usize> = (0..running.len())
-            .filter(|&i| running[i].end.is_none() && running[i].decoding.ready())
-            .collect();
+        let live = |r: &Running| r.end.is_none() && (r.decoding.ready() || r.decoding.staged() > 0);
+        let stepping: Vec<usize> = (0..running.len()).filter(|&i| live(&running[i])).collect();
         if !stepping.is_empty() {
             let mut batch: Vec<BatchStep<'_, '_, HeadCache>> = running
                 .iter_mut()
-                .filter(|r| r.end.is_none() && r.decoding.ready())
-                .map(|r| r.decoding.batch_step())
+                .filter(|r| live(r))
+                .map(|r| match r.decoding.ready() {
+                    true => r.decoding.batch_step(),
+                    false => r.decoding.prefill_step(),
+                })
                 .collect();
             let result = step_batch(&mut batch);
             drop(batch);
-            load.steps.fetch_add(1, Ordering::Relaxed);
-            load.rows
-                .fetch_add(stepping.len() as u64, Ordering::Relaxed);
+            let decoded = stepping
+                .iter()
+                .filter(|&&i| running[i].decoding.ready())
+                .count();
+            let prompt: usize = stepping.iter().map(|&i| running[i].decoding.staged()).sum();
+            if decoded > 0 {
+                load.steps.fetch_add(1, Ordering::Relaxed);
+                load.rows.fetch_add(decoded as u64, Ordering::Relaxed);
+            }
+            load.prompt_rows.fetch_add(prompt as u64, Ordering::Relaxed);
+            if decoded > 0 && prompt > 0 {
+                load.mixed_steps.fetch_add(1, Ordering::Relaxed);
+            }
             match result {
                 Ok(logits) => {
                     for (&i, l) in stepping.iter().zip(&logits) {
                         let r = &mut running[i];
-                        r.end = deliver(r, l).transpose();
+                        r.end = match l {
+                            Some(l) => deliver(r, l).transpose(),
+                            None => r.decoding.prefill_stepped().err().map(Err),
+                        };
+                        if cfg.prefix_cache_bytes > 0 && r.end.is_none() {
+                            if let Some(p) = r.decoding.take_prefix() {
+                                prefixes.insert(r.policy, p);
+                            }
+                        }
                     }
                 }
                 Err(e) => {

@@ -78,7 +78,8 @@ pub struct ServeConfig {
     pub prefill_tokens: usize,
     /// Positions per forward pass of a prompt's prefill: the finest step at which the
     /// scheduler can run the batch's decode between two pieces of a long prompt
-    /// (smaller: shorter gaps in running streams, slower prefill).
+    /// (smaller: shorter gaps in running streams, slower prefill). At 1, prompt
+    /// positions are decode steps and run as rows of the batched step.
     pub prefill_chunk: usize,
     /// MiB of shared prompt prefixes kept so that requests starting with the same long
     /// text (one document, many questions) prefill it once per policy (0: off).

@@ -217,7 +217,9 @@ impl HeadCache {
     }
 
     /// Check that a chunk of `q` positions at `start` continues the cache and fits the
-    /// context.
+    /// context. A single position may lie past the cache's length: a later token of a
+    /// batched row ([`crate::model::Model::decode_batch`]), whose earlier tokens are
+    /// stored but committed with it at the end of the pass.
     pub(crate) fn check_chunk(&self, start: usize, q: usize) -> Result<()> {
         if start + q > self.max_len {
             return Err(Error::ContextOverflow {
@@ -226,7 +228,7 @@ impl HeadCache {
                 context: self.max_len,
             });
         }
-        if start != self.len {
+        if start < self.len || q > 1 && start != self.len {
             return Err(Error::invalid(
                 "cache",
                 format!("chunk at {start}, cache holds {}", self.len),
