@@ -16,7 +16,7 @@ use candle_core::Tensor;
 use common::{tiny_config, tiny_gemma_config, Weights};
 use headwise::model::{
     argmax, generate, generate_batch, step_batch, BatchStep, Cache, Config, GenerateOptions,
-    HeadCache, Interventions, KvCache, Model, NoObserver, Numerics, OutputEdit, Recorder,
+    HeadCache, Interventions, KvCache, Model, NoObserver, Numerics, Observer, OutputEdit, Recorder,
     Retention, RowFormat, Session, TopK, Wants,
 };
 
@@ -157,33 +157,44 @@ fn prefilled<'m, C: Cache>(model: &'m Model, seq: &Seq, cache: C) -> Session<'m,
 /// Each sequence alone: prefill, then greedy single-sequence steps.
 fn alone<C: Cache>(model: &Model, seqs: &[Seq], cache: &dyn Fn(&Seq) -> C) -> Vec<Trace> {
     seqs.iter()
-        .map(|seq| {
-            let mut session = prefilled(model, seq, cache(seq));
-            let mut token = *seq.prompt.last().unwrap();
-            let mut trace = Trace {
-                logits: Vec::new(),
-                observed: Vec::new(),
-            };
-            for _ in 0..seq.steps {
-                let mut rec = recorder();
-                let logits = if seq.observe {
-                    session.step(token, &mut rec, &seq.edits).unwrap()
-                } else {
-                    session.step(token, &mut NoObserver, &seq.edits).unwrap()
-                };
-                if seq.observe {
-                    trace.observed.push(captured(&rec));
-                }
-                trace.logits.push(row(&logits));
-                token = argmax(&logits).unwrap();
-            }
-            trace
-        })
+        .map(|seq| steps_alone(prefilled(model, seq, cache(seq)), seq))
         .collect()
 }
 
-/// All sequences through one batch: each joins at its step and leaves when done.
-fn batched<C: Cache>(model: &Model, seqs: &[Seq], cache: &dyn Fn(&Seq) -> C) -> Vec<Trace> {
+/// `seq`'s greedy single-sequence steps from `session`, which holds its prompt but the
+/// last token.
+fn steps_alone<C: Cache>(mut session: Session<C>, seq: &Seq) -> Trace {
+    let mut token = *seq.prompt.last().unwrap();
+    let mut trace = Trace {
+        logits: Vec::new(),
+        observed: Vec::new(),
+    };
+    for _ in 0..seq.steps {
+        let mut rec = recorder();
+        let logits = if seq.observe {
+            session.step(token, &mut rec, &seq.edits).unwrap()
+        } else {
+            session.step(token, &mut NoObserver, &seq.edits).unwrap()
+        };
+        if seq.observe {
+            trace.observed.push(captured(&rec));
+        }
+        trace.logits.push(row(&logits));
+        token = argmax(&logits).unwrap();
+    }
+    trace
+}
+
+/// All sequences through one batch: each joins at its step and leaves when done. With
+/// `prompts_in = Some(piece)` each joins with an empty cache and its prompt (but the
+/// last token) runs as rows of the batch, at most `piece` positions per step, beside
+/// the other sequences' prompt rows and decode steps; otherwise it joins prefilled.
+fn batched<C: Cache>(
+    model: &Model,
+    seqs: &[Seq],
+    cache: &dyn Fn(&Seq) -> C,
+    prompts_in: Option<usize>,
+) -> Vec<Trace> {
     let mut traces: Vec<Trace> = seqs
         .iter()
         .map(|_| Trace {
@@ -191,18 +202,19 @@ fn batched<C: Cache>(model: &Model, seqs: &[Seq], cache: &dyn Fn(&Seq) -> C) -> 
             observed: Vec::new(),
         })
         .collect();
-    // (sequence, session, next token)
-    let mut running: Vec<(usize, Session<C>, u32)> = Vec::new();
-    let mut sizes = Vec::new();
+    let head = |seq: &Seq| seq.prompt.len() - 1;
+    // (sequence, session, prompt positions run, next token)
+    let mut running: Vec<(usize, Session<C>, usize, u32)> = Vec::new();
+    let (mut sizes, mut mixed) = (Vec::new(), false);
     for t in 0.. {
         for (i, seq) in seqs.iter().enumerate().filter(|(_, s)| s.join == t) {
-            running.push((
-                i,
-                prefilled(model, seq, cache(seq)),
-                *seq.prompt.last().unwrap(),
-            ));
+            let (session, done) = match prompts_in {
+                Some(_) => (Session::with_cache(model, cache(seq)), 0),
+                None => (prefilled(model, seq, cache(seq)), head(seq)),
+            };
+            running.push((i, session, done, *seq.prompt.last().unwrap()));
         }
-        running.retain(|(i, _, _)| traces[*i].logits.len() < seqs[*i].steps);
+        running.retain(|(i, ..)| traces[*i].logits.len() < seqs[*i].steps);
         if running.is_empty() && seqs.iter().all(|s| s.join <= t) {
             break;
         }
@@ -212,152 +224,13 @@ fn batched<C: Cache>(model: &Model, seqs: &[Seq], cache: &dyn Fn(&Seq) -> C) -> 
         let mut batch: Vec<BatchStep<C>> = running
             .iter_mut()
             .zip(recorders.iter_mut().zip(nothing.iter_mut()))
-            .map(|((i, session, token), (rec, none))| {
-                let seq = &seqs[*i];
-                BatchStep {
-                    session,
-                    tokens: std::slice::from_ref(token),
-                    logits: true,
-                    observer: if seq.observe { rec } else { none },
-                    edits: &seq.edits,
-                }
-            })
-            .collect();
-        let logits = step_batch(&mut batch).unwrap();
-        drop(batch);
-        for (((i, _, token), l), rec) in running.iter_mut().zip(&logits).zip(&recorders) {
-            let l = l.as_ref().unwrap();
-            traces[*i].logits.push(row(l));
-            if seqs[*i].observe {
-                traces[*i].observed.push(captured(rec));
-            }
-            *token = argmax(l).unwrap();
-        }
-    }
-    // All eight ran in one step (a batch as large as the row count from which a single
-    // sequence's prefill takes another product), and the batch size changed.
-    assert_eq!(sizes.iter().max(), Some(&8), "batch sizes {sizes:?}");
-    assert!(
-        sizes.windows(2).any(|w| w[0] != w[1]),
-        "batch sizes {sizes:?}"
-    );
-    traces
-}
-
-fn check(name: &str, alone: Vec<Trace>, batched: Vec<Trace>, seqs: &[Seq]) {
-    for (i, (a, b)) in alone.iter().zip(&batched).enumerate() {
-        assert_eq!(a.logits.len(), seqs[i].steps, "{name}: sequence {i} steps");
-        assert!(
-            a == b,
-            "{name}: sequence {i} differs in a batch (first step that differs: {:?})",
-            a.logits.iter().zip(&b.logits).position(|(x, y)| x != y)
-        );
-    }
-}
-
-#[test]
-fn a_sequence_decodes_the_same_bits_alone_and_in_any_batch() {
-    for (arch, cfg) in [("llama", llama()), ("gemma", gemma())] {
-        let w = Weights::random(cfg.clone(), 41);
-        for numerics in [Numerics::Fast, Numerics::Reference, Numerics::Ggml] {
-            for dtype in [GgmlDType::Q4_1, GgmlDType::Q8_0] {
-                let model = w.model_as(numerics, dtype);
-                let seqs = seqs(&cfg);
-                let capacity = |s: &Seq| s.prompt.len() + s.steps;
-                let name = format!("{arch} {numerics:?} {dtype:?} per-head");
-                let heads = |s: &Seq| head_cache(&cfg, s.kind, capacity(s));
-                check(
-                    &name,
-                    alone(&model, &seqs, &heads),
-                    batched(&model, &seqs, &heads),
-                    &seqs,
-                );
-                let name = format!("{arch} {numerics:?} {dtype:?} plain");
-                let plain = |s: &Seq| KvCache::new(&cfg, capacity(s));
-                check(
-                    &name,
-                    alone(&model, &seqs, &plain),
-                    batched(&model, &seqs, &plain),
-                    &seqs,
-                );
-            }
-        }
-    }
-}
-
-/// Each sequence alone from an empty cache: every prompt token run by
-/// `Session::step` (a pass of one token), then greedy steps.
-fn stepped_alone(model: &Model, seqs: &[Seq], cache: &dyn Fn(&Seq) -> HeadCache) -> Vec<Trace> {
-    seqs.iter()
-        .map(|seq| {
-            let mut session = Session::with_cache(model, cache(seq));
-            let (head, last) = seq.prompt.split_at(seq.prompt.len() - 1);
-            for &t in head {
-                session.step(t, &mut NoObserver, &seq.edits).unwrap();
-            }
-            let mut token = last[0];
-            let mut trace = Trace {
-                logits: Vec::new(),
-                observed: Vec::new(),
-            };
-            for _ in 0..seq.steps {
-                let mut rec = recorder();
-                let observer: &mut dyn headwise::model::Observer = match seq.observe {
-                    true => &mut rec,
-                    false => &mut NoObserver,
-                };
-                let logits = session.step(token, observer, &seq.edits).unwrap();
-                if seq.observe {
-                    trace.observed.push(captured(&rec));
-                }
-                trace.logits.push(row(&logits));
-                token = argmax(&logits).unwrap();
-            }
-            trace
-        })
-        .collect()
-}
-
-/// All sequences through one batch from empty caches: each joins at its step with its
-/// prompt (but the last token) run as rows of the batch, at most `piece` positions per
-/// step, beside the other sequences' prompt rows and decode steps.
-fn prompts_in_batch(
-    model: &Model,
-    seqs: &[Seq],
-    cache: &dyn Fn(&Seq) -> HeadCache,
-    piece: usize,
-) -> Vec<Trace> {
-    let mut traces: Vec<Trace> = seqs
-        .iter()
-        .map(|_| Trace {
-            logits: Vec::new(),
-            observed: Vec::new(),
-        })
-        .collect();
-    // (sequence, session, prompt positions run, next token)
-    let mut running: Vec<(usize, Session<HeadCache>, usize, u32)> = Vec::new();
-    let mut mixed = false;
-    for t in 0.. {
-        for (i, seq) in seqs.iter().enumerate().filter(|(_, s)| s.join == t) {
-            let session = Session::with_cache(model, cache(seq));
-            running.push((i, session, 0, *seq.prompt.last().unwrap()));
-        }
-        running.retain(|(i, ..)| traces[*i].logits.len() < seqs[*i].steps);
-        if running.is_empty() && seqs.iter().all(|s| s.join <= t) {
-            break;
-        }
-        let mut recorders: Vec<Recorder> = running.iter().map(|_| recorder()).collect();
-        let mut nothing: Vec<NoObserver> = running.iter().map(|_| NoObserver).collect();
-        let mut batch: Vec<BatchStep<HeadCache>> = running
-            .iter_mut()
-            .zip(recorders.iter_mut().zip(nothing.iter_mut()))
             .map(|((i, session, done, token), (rec, none))| {
                 let seq = &seqs[*i];
-                let head = &seq.prompt[..seq.prompt.len() - 1];
-                match *done < head.len() {
+                let (prompt, end) = (&seq.prompt, head(seq));
+                match *done < end {
                     true => BatchStep {
                         session,
-                        tokens: &head[*done..(*done + piece).min(head.len())],
+                        tokens: &prompt[*done..(*done + prompts_in.unwrap_or(1)).min(end)],
                         logits: false,
                         observer: none,
                         edits: &seq.edits,
@@ -390,8 +263,75 @@ fn prompts_in_batch(
             *token = argmax(l).unwrap();
         }
     }
-    assert!(mixed, "no step ran prompt rows beside decode steps");
+    // All eight ran in one step (a batch as large as the row count from which a single
+    // sequence's prefill takes another product), and the batch size changed; prompt
+    // rows ran beside decode steps.
+    assert_eq!(sizes.iter().max(), Some(&8), "batch sizes {sizes:?}");
+    assert!(
+        sizes.windows(2).any(|w| w[0] != w[1]),
+        "batch sizes {sizes:?}"
+    );
+    assert_eq!(
+        mixed,
+        prompts_in.is_some(),
+        "prompt rows beside decode steps"
+    );
     traces
+}
+
+fn check(name: &str, alone: Vec<Trace>, batched: Vec<Trace>, seqs: &[Seq]) {
+    for (i, (a, b)) in alone.iter().zip(&batched).enumerate() {
+        assert_eq!(a.logits.len(), seqs[i].steps, "{name}: sequence {i} steps");
+        assert!(
+            a == b,
+            "{name}: sequence {i} differs in a batch (first step that differs: {:?})",
+            a.logits.iter().zip(&b.logits).position(|(x, y)| x != y)
+        );
+    }
+}
+
+#[test]
+fn a_sequence_decodes_the_same_bits_alone_and_in_any_batch() {
+    for (arch, cfg) in [("llama", llama()), ("gemma", gemma())] {
+        let w = Weights::random(cfg.clone(), 41);
+        for numerics in [Numerics::Fast, Numerics::Reference, Numerics::Ggml] {
+            for dtype in [GgmlDType::Q4_1, GgmlDType::Q8_0] {
+                let model = w.model_as(numerics, dtype);
+                let seqs = seqs(&cfg);
+                let capacity = |s: &Seq| s.prompt.len() + s.steps;
+                let name = format!("{arch} {numerics:?} {dtype:?} per-head");
+                let heads = |s: &Seq| head_cache(&cfg, s.kind, capacity(s));
+                check(
+                    &name,
+                    alone(&model, &seqs, &heads),
+                    batched(&model, &seqs, &heads, None),
+                    &seqs,
+                );
+                let name = format!("{arch} {numerics:?} {dtype:?} plain");
+                let plain = |s: &Seq| KvCache::new(&cfg, capacity(s));
+                check(
+                    &name,
+                    alone(&model, &seqs, &plain),
+                    batched(&model, &seqs, &plain, None),
+                    &seqs,
+                );
+            }
+        }
+    }
+}
+
+/// Each sequence alone from an empty cache: every prompt token but the last run by
+/// `Session::step` (a pass of one token), then greedy steps.
+fn stepped_alone(model: &Model, seqs: &[Seq], cache: &dyn Fn(&Seq) -> HeadCache) -> Vec<Trace> {
+    seqs.iter()
+        .map(|seq| {
+            let mut session = Session::with_cache(model, cache(seq));
+            for &t in &seq.prompt[..seq.prompt.len() - 1] {
+                session.step(t, &mut NoObserver, &seq.edits).unwrap();
+            }
+            steps_alone(session, seq)
+        })
+        .collect()
 }
 
 #[test]
@@ -409,7 +349,7 @@ fn prompt_positions_run_as_rows_of_a_batch_give_the_bits_of_single_steps() {
                     check(
                         &name,
                         want.clone(),
-                        prompts_in_batch(&model, &seqs, &heads, piece),
+                        batched(&model, &seqs, &heads, Some(piece)),
                         &seqs,
                     );
                 }
@@ -486,30 +426,26 @@ fn a_row_of_several_tokens_needs_a_per_head_cache_and_a_plain_observer() {
     let cfg = llama();
     let model = Weights::random(cfg.clone(), 5).model_as(Numerics::Fast, GgmlDType::Q8_0);
     let edits = Interventions::new();
+    fn refused<C: Cache>(
+        session: &mut Session<C>,
+        observer: &mut dyn Observer,
+        edits: &Interventions,
+    ) -> String {
+        let mut batch = vec![BatchStep {
+            session,
+            tokens: &[1, 2],
+            logits: true,
+            observer,
+            edits,
+        }];
+        step_batch(&mut batch).unwrap_err().to_string()
+    }
     let mut plain = Session::new(&model, 8);
-    let mut none = NoObserver;
-    let mut batch = vec![BatchStep {
-        session: &mut plain,
-        tokens: &[1, 2],
-        logits: true,
-        observer: &mut none,
-        edits: &edits,
-    }];
-    let err = step_batch(&mut batch).unwrap_err().to_string();
+    let err = refused(&mut plain, &mut NoObserver, &edits);
     assert!(err.contains("per-head cache"), "{err}");
-    drop(batch);
     let mut heads = Session::with_cache(&model, head_cache(&cfg, 0, 8));
-    let mut rec = recorder();
-    let mut batch = vec![BatchStep {
-        session: &mut heads,
-        tokens: &[1, 2],
-        logits: true,
-        observer: &mut rec,
-        edits: &edits,
-    }];
-    let err = step_batch(&mut batch).unwrap_err().to_string();
+    let err = refused(&mut heads, &mut recorder(), &edits);
     assert!(err.contains("final hidden state"), "{err}");
-    drop(batch);
     assert_eq!((plain.position(), heads.position()), (0, 0));
 }
 

@@ -128,6 +128,17 @@ fn collect(
     (done, most)
 }
 
+/// Requests `0..n`, each under [`policy`]`(i)`, run alone through `Runtime::generate`.
+fn each_alone(runtimes: &BTreeMap<String, Runtime>, n: usize) -> Vec<GenerateOutput> {
+    (0..n)
+        .map(|i| {
+            runtimes[policy(i)]
+                .generate(&request(i), &mut |_| true)
+                .unwrap()
+        })
+        .collect()
+}
+
 /// Whether `load` comes to nothing running and nothing reserved within [`WAIT`].
 fn settles(load: &headwise::policy::Load) -> bool {
     use std::sync::atomic::Ordering::Relaxed;
@@ -142,13 +153,7 @@ fn settles(load: &headwise::policy::Load) -> bool {
 #[test]
 fn batched_generations_equal_each_alone_and_leave_when_cancelled() {
     let runtimes = runtimes();
-    let alone: Vec<GenerateOutput> = (0..8)
-        .map(|i| {
-            runtimes[policy(i)]
-                .generate(&request(i), &mut |_| true)
-                .unwrap()
-        })
-        .collect();
+    let alone = each_alone(&runtimes, 8);
     let scheduler = Scheduler::new(
         runtimes.clone(),
         SchedulerConfig {
@@ -653,13 +658,7 @@ fn prompts_run_as_rows_of_the_batched_step_give_each_request_its_tokens_alone() 
     // waiting, beside the running streams. Each request, under each policy (SnapKV's
     // full prefill and press at admission too), gives what it gives alone.
     let runtimes = runtimes_with_chunk(1);
-    let alone: Vec<GenerateOutput> = (0..6)
-        .map(|i| {
-            runtimes[policy(i)]
-                .generate(&request(i), &mut |_| true)
-                .unwrap()
-        })
-        .collect();
+    let alone = each_alone(&runtimes, 6);
     let scheduler = Scheduler::new(
         runtimes,
         SchedulerConfig {
