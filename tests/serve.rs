@@ -776,3 +776,33 @@ fn explain_points_each_token_back_into_the_prompt() {
         assert!(named, "{e}");
     }
 }
+
+#[test]
+fn prompt_positions_run_as_rows_of_the_batched_steps_are_counted() {
+    // Chunks of one position: two prompts run as rows of the batched steps, at most 32
+    // positions per iteration, and `/metrics` counts every position but each prompt's
+    // last (its first decode step runs it).
+    let server = Server::start("rows", &config("prefill_chunk = 1\nprefill_tokens = 32"));
+    let answers: Vec<Value> = std::thread::scope(|s| {
+        let asks: Vec<_> = ["Name three rivers.", "Name three mountains."]
+            .into_iter()
+            .map(|q| {
+                let server = &server;
+                s.spawn(move || {
+                    let content = format!("{}{q}", "Answer in a few words. ".repeat(8));
+                    let body = chat_body(&content, 8, false);
+                    post(server, "/v1/chat/completions", &body)
+                        .json::<Value>()
+                        .unwrap()
+                })
+            })
+            .collect();
+        asks.into_iter().map(|a| a.join().unwrap()).collect()
+    });
+    let mut rows = 0;
+    for a in &answers {
+        assert_eq!(a["usage"]["completion_tokens"], 8, "{a}");
+        rows += a["usage"]["prompt_tokens"].as_u64().unwrap() - 1;
+    }
+    assert_eq!(server.metric("headwise_batch_prompt_rows"), rows as f64);
+}

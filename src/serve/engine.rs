@@ -226,6 +226,10 @@ impl Engine {
         m.batch_size.set(get(&load.running));
         m.batch_steps.set(load.steps.load(Ordering::Relaxed) as i64);
         m.batch_rows.set(load.rows.load(Ordering::Relaxed) as i64);
+        m.batch_prompt_rows
+            .set(load.prompt_rows.load(Ordering::Relaxed) as i64);
+        m.batch_mixed_steps
+            .set(load.mixed_steps.load(Ordering::Relaxed) as i64);
         m.prefix_hits
             .set(load.prefix_hits.load(Ordering::Relaxed) as i64);
         m.prefix_tokens

@@ -51,6 +51,10 @@ pub struct Metrics {
     /// Batched decode steps, and the rows they ran (mean batch = rows / steps).
     pub batch_steps: Gauge,
     pub batch_rows: Gauge,
+    /// Prompt positions run as rows of batched steps (`prefill_chunk = 1`), and the
+    /// steps that ran some beside decoding sequences.
+    pub batch_prompt_rows: Gauge,
+    pub batch_mixed_steps: Gauge,
     /// Requests that continued a shared prefix, the prompt tokens they did not prefill,
     /// and the bytes the prefix cache holds.
     pub prefix_hits: Gauge,
@@ -69,7 +73,7 @@ impl Default for Metrics {
         let kv_resident_bytes = Family::<PolicyLabel, Gauge>::default();
         let cancelled = Family::<ReasonLabel, Counter>::default();
         let retrievals = Counter::default();
-        let gauges: [Gauge; 9] = Default::default();
+        let gauges: [Gauge; 11] = Default::default();
         for (name, help, g) in [
             (
                 "kv_budget_bytes",
@@ -104,10 +108,20 @@ impl Default for Metrics {
                 &gauges[7],
             ),
             ("prefix_bytes", "Bytes the prefix cache holds", &gauges[8]),
+            (
+                "batch_prompt_rows",
+                "Prompt positions run as rows of batched steps",
+                &gauges[9],
+            ),
+            (
+                "batch_mixed_steps",
+                "Batched steps that ran prompt positions beside decoding sequences",
+                &gauges[10],
+            ),
         ] {
             registry.register(name, help, g.clone());
         }
-        let [kv_budget_bytes, kv_reserved_bytes, kv_used_bytes, batch_size, batch_steps, batch_rows, prefix_hits, prefix_tokens, prefix_bytes] =
+        let [kv_budget_bytes, kv_reserved_bytes, kv_used_bytes, batch_size, batch_steps, batch_rows, prefix_hits, prefix_tokens, prefix_bytes, batch_prompt_rows, batch_mixed_steps] =
             gauges;
         registry.register(
             "requests",
@@ -165,6 +179,8 @@ impl Default for Metrics {
             batch_size,
             batch_steps,
             batch_rows,
+            batch_prompt_rows,
+            batch_mixed_steps,
             prefix_hits,
             prefix_tokens,
             prefix_bytes,
