@@ -41,6 +41,16 @@ impl Wants {
     pub fn none(&self) -> bool {
         *self == Self::default()
     }
+
+    /// Whether at most the final hidden state is asked for (what a run of several
+    /// positions as decode steps in one row can give, for its last position).
+    pub fn at_most_final_hidden(&self) -> bool {
+        Self {
+            final_hidden: false,
+            ..*self
+        }
+        .none()
+    }
 }
 
 /// The last row of a `(q, d)` tensor (e.g. [`Observer::final_hidden`]'s) as a vector, or
@@ -208,5 +218,33 @@ impl Observer for Recorder {
     }
     fn values(&mut self, _layer: usize, values: &Tensor) {
         self.current().values.push(values.clone());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Wants;
+
+    #[test]
+    fn at_most_the_final_hidden_state_is_nothing_else() {
+        let hidden = Wants {
+            final_hidden: true,
+            ..Wants::default()
+        };
+        assert!(Wants::default().at_most_final_hidden());
+        assert!(hidden.at_most_final_hidden());
+        for more in [
+            Wants {
+                residual: true,
+                ..hidden
+            },
+            Wants {
+                attention: true,
+                ..Wants::default()
+            },
+            Wants::all(),
+        ] {
+            assert!(!more.at_most_final_hidden(), "{more:?}");
+        }
     }
 }

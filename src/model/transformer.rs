@@ -18,9 +18,7 @@ use crate::model::numerics::embedding::Embedding;
 use crate::model::numerics::ggml;
 use crate::model::numerics::linear::Projections;
 use crate::model::numerics::Ops;
-use crate::model::{
-    Config, HeadCache, Interventions, KvCache, Linear, Numerics, Observer, Rope, Wants,
-};
+use crate::model::{Config, HeadCache, Interventions, KvCache, Linear, Numerics, Observer, Rope};
 use crate::{Error, Result};
 
 /// Which positions' logits a forward pass returns.
@@ -501,16 +499,11 @@ impl Model {
         self.check_step(tokens, &cache, &*observer, edits)?;
         // Chunks of one token are decode steps: a per-head cache runs them as one row of
         // a batched step (the same bits, the weights read once for all of them).
-        let wants = observer.wants();
         if self.chunk == 1
             && tokens.len() > 1
             && matches!(cache, CacheMut::Heads(_))
             && logits == Logits::Last
-            && wants
-                == (Wants {
-                    final_hidden: wants.final_hidden,
-                    ..Wants::default()
-                })
+            && observer.wants().at_most_final_hidden()
         {
             let mut row = [DecodeRow {
                 cache,
@@ -619,13 +612,9 @@ impl Model {
         }
         for row in rows.iter() {
             self.check_step(row.tokens, &row.cache, &*row.observer, row.edits)?;
-            let wants = row.observer.wants();
-            let only_hidden = Wants {
-                final_hidden: wants.final_hidden,
-                ..Wants::default()
-            };
             if row.tokens.len() > 1
-                && (matches!(row.cache, CacheMut::Plain(_)) || wants != only_hidden)
+                && (matches!(row.cache, CacheMut::Plain(_))
+                    || !row.observer.wants().at_most_final_hidden())
             {
                 return Err(Error::invalid(
                     "batch",
@@ -634,7 +623,7 @@ impl Model {
                 ));
             }
         }
-        // Token `t` of the pass belongs to row `owner[t]`; each row's tokens are contiguous.
+        // The pass's tokens, row after row; `firsts[i]` is where row `i`'s begin.
         let tokens: Vec<u32> = rows.iter().flat_map(|r| r.tokens.iter().copied()).collect();
         let firsts: Vec<usize> = rows
             .iter()
