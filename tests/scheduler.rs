@@ -1,8 +1,9 @@
 //! Continuous batching on the real model (SmolLM2): requests under different policies
 //! that join a running batch at different times give the same tokens and text as each
 //! run alone through `Runtime::generate`; a cancelled sequence leaves at once; admission
-//! keeps the reserved KV under the budget; a request that can never fit is refused with
-//! its numbers.
+//! keeps the reserved KV under the budget (requests that continue a shared prefix
+//! reserve only what they add); a request that can never fit is refused with its
+//! numbers.
 
 mod common;
 
@@ -22,7 +23,7 @@ const WAIT: Duration = Duration::from_secs(600);
 enum Msg {
     Admitted(usize),
     Token(usize),
-    Done(usize, Result<GenerateOutput, String>),
+    Done(usize, Box<Result<GenerateOutput, String>>),
 }
 
 /// Sends what happens to request `id` to the test; stops after `stop_after` tokens.
@@ -31,6 +32,18 @@ struct Probe {
     tx: Sender<Msg>,
     tokens: usize,
     stop_after: Option<usize>,
+}
+
+impl Probe {
+    /// A probe for request `id` that never stops it.
+    fn new(id: usize, tx: &Sender<Msg>) -> Box<Self> {
+        Box::new(Probe {
+            id,
+            tx: tx.clone(),
+            tokens: 0,
+            stop_after: None,
+        })
+    }
 }
 
 impl Sink for Probe {
@@ -45,9 +58,10 @@ impl Sink for Probe {
     }
 
     fn done(self: Box<Self>, result: headwise::Result<GenerateOutput>) {
-        let _ = self
-            .tx
-            .send(Msg::Done(self.id, result.map_err(|e| e.to_string())));
+        let _ = self.tx.send(Msg::Done(
+            self.id,
+            Box::new(result.map_err(|e| e.to_string())),
+        ));
     }
 }
 
@@ -121,7 +135,7 @@ fn collect(
             Msg::Token(_) => {}
             Msg::Done(id, out) => {
                 live = live.saturating_sub(1);
-                done.insert(id, out);
+                done.insert(id, *out);
             }
         }
     }
@@ -137,6 +151,22 @@ fn each_alone(runtimes: &BTreeMap<String, Runtime>, n: usize) -> Vec<GenerateOut
                 .unwrap()
         })
         .collect()
+}
+
+/// A scheduler of up to 16 sequences under `kv_budget` bytes, with a prefix cache of
+/// `prefix_cache_bytes`.
+fn budgeted(
+    runtimes: BTreeMap<String, Runtime>,
+    kv_budget: usize,
+    prefix_cache_bytes: usize,
+) -> Scheduler {
+    let cfg = SchedulerConfig {
+        max_batch: 16,
+        kv_budget: Some(kv_budget),
+        prefill_tokens: 256,
+        prefix_cache_bytes,
+    };
+    Scheduler::new(runtimes, cfg).unwrap()
 }
 
 /// Whether `load` comes to nothing running and nothing reserved within [`WAIT`].
@@ -254,24 +284,10 @@ fn admission_keeps_the_reserved_kv_under_the_budget() {
     drop(probe);
     // Room for two full sequences: never more than two run at once, all finish.
     let budget = 2 * full + 1;
-    let scheduler = Scheduler::new(
-        runtimes,
-        SchedulerConfig {
-            max_batch: 16,
-            kv_budget: Some(budget),
-            prefill_tokens: 256,
-            prefix_cache_bytes: 0,
-        },
-    )
-    .unwrap();
+    let scheduler = budgeted(runtimes, budget, 0);
     let (tx, rx) = channel();
     for id in 0..5 {
-        let sink = Box::new(Probe {
-            id,
-            tx: tx.clone(),
-            tokens: 0,
-            stop_after: None,
-        });
+        let sink = Probe::new(id, &tx);
         scheduler.submit("full", &req, sink).unwrap();
     }
     let (done, most) = collect(&rx, 5);
@@ -279,12 +295,7 @@ fn admission_keeps_the_reserved_kv_under_the_budget() {
     assert!(done.values().all(|d| d.as_ref().unwrap().tokens.len() == 8));
     // A request that alone needs more than the whole budget is refused with its numbers.
     let long = GenerateRequest::new(Prompt::Text("word ".repeat(1500)), 64);
-    let sink = Box::new(Probe {
-        id: 9,
-        tx,
-        tokens: 0,
-        stop_after: None,
-    });
+    let sink = Probe::new(9, &tx);
     let err = scheduler
         .submit("full", &long, sink)
         .unwrap_err()
@@ -342,12 +353,7 @@ fn a_shared_prefix_is_prefilled_once_and_continued_to_the_same_tokens() {
     // One at a time, so that each later request finds the prefix of the ones before.
     let mut got = Vec::new();
     for (id, (policy, request)) in requests.iter().enumerate() {
-        let sink = Box::new(Probe {
-            id,
-            tx: tx.clone(),
-            tokens: 0,
-            stop_after: None,
-        });
+        let sink = Probe::new(id, &tx);
         scheduler.submit(policy, request, sink).unwrap();
         let (done, _) = collect(&rx, 1);
         got.push(done.into_values().next().unwrap().unwrap());
@@ -365,6 +371,76 @@ fn a_shared_prefix_is_prefilled_once_and_continued_to_the_same_tokens() {
         3
     );
     assert!(load.prefix_bytes.load(std::sync::atomic::Ordering::Relaxed) > 0);
+}
+
+#[test]
+fn requests_that_continue_a_shared_prefix_read_it_in_place_and_reserve_only_what_they_add() {
+    let runtimes = runtimes();
+    let doc = "Station log: the north gauge reads four metres, the east gauge two, the \
+               south gauge is frozen and the west gauge was moved to the lock. "
+        .repeat(20);
+    let ask = |q: &str| {
+        let mut r = GenerateRequest::new(Prompt::Text(format!("{doc}\nQuestion: {q}\nAnswer:")), 8);
+        r.ignore_eos = true;
+        r
+    };
+    let questions = [
+        "What does the north gauge read?",
+        "What does the east gauge read?",
+        "Which gauge is frozen?",
+        "Where was the west gauge moved?",
+        "Which gauge reads two metres?",
+    ];
+    let requests: Vec<GenerateRequest> = questions.iter().map(|q| ask(q)).collect();
+    let alone: Vec<GenerateOutput> = requests
+        .iter()
+        .map(|r| runtimes["full"].generate(r, &mut |_| true).unwrap())
+        .collect();
+    let probe = Scheduler::new(runtimes.clone(), SchedulerConfig::default()).unwrap();
+    let prompt = runtimes["full"].encode(&requests[0].prompt).unwrap().len();
+    let full = probe.reservation("full", prompt, 8).unwrap();
+    drop(probe);
+    // Room for two whole sequences of the document: the ones that continue it need far
+    // less, so all four questions after the first run at once.
+    let budget = 2 * full + 1;
+    let scheduler = budgeted(runtimes, budget, 1 << 30);
+    let (tx, rx) = channel();
+    let submit = |id: usize| {
+        let sink = Probe::new(id, &tx);
+        scheduler.submit("full", &requests[id], sink).unwrap();
+    };
+    submit(0);
+    let (mut done, _) = collect(&rx, 1);
+    for id in 1..5 {
+        submit(id);
+    }
+    let (rest, most) = collect(&rx, 4);
+    assert_eq!(
+        most, 4,
+        "{most} of 4 prefix hits ran at once in a budget for two copies"
+    );
+    done.extend(rest);
+    for (i, a) in alone.iter().enumerate() {
+        let got = done[&i].as_ref().unwrap();
+        assert_eq!(got.tokens, a.tokens, "request {i}");
+        assert!(
+            (i == 0) == (got.stats.cached_prompt_tokens == 0),
+            "request {i}: {} prompt tokens from the prefix",
+            got.stats.cached_prompt_tokens
+        );
+    }
+    let load = scheduler.load();
+    use std::sync::atomic::Ordering::Relaxed;
+    assert_eq!(load.prefix_hits.load(Relaxed), 4);
+    assert!(settles(load));
+    // Nothing runs: the prefix cache alone holds the document's rows (the bytes in use
+    // are stored just after the reservations, so wait for them too).
+    let t0 = std::time::Instant::now();
+    while load.used_bytes.load(Relaxed) != 0 && t0.elapsed() < WAIT {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(load.used_bytes.load(Relaxed), 0);
+    assert!(load.prefix_bytes.load(Relaxed) > 0);
 }
 
 /// Keeps every token's explanation.
@@ -443,12 +519,7 @@ fn explained_tokens_are_the_same_in_a_batch_and_the_retrieval_heads_read_the_nee
         });
         scheduler.submit(p, &req, sink).unwrap();
         let (tx_other, _rx_other) = channel();
-        let other = Box::new(Probe {
-            id: 10 + id,
-            tx: tx_other,
-            tokens: 0,
-            stop_after: None,
-        });
+        let other = Probe::new(10 + id, &tx_other);
         scheduler.submit(p, &request(id), other).unwrap();
     }
     for _ in policies {
@@ -612,14 +683,7 @@ fn small_prefill_chunks_let_running_streams_step_between_them_and_change_no_toke
     )
     .unwrap();
     let (tx, rx) = channel();
-    let sink = |id: usize| -> Box<dyn Sink> {
-        Box::new(Probe {
-            id,
-            tx: tx.clone(),
-            tokens: 0,
-            stop_after: None,
-        })
-    };
+    let sink = |id: usize| -> Box<dyn Sink> { Probe::new(id, &tx) };
     scheduler.submit("static-locos", &short, sink(0)).unwrap();
     loop {
         let msg = rx.recv_timeout(WAIT).expect("no first token");
@@ -638,7 +702,7 @@ fn small_prefill_chunks_let_running_streams_step_between_them_and_change_no_toke
             Msg::Token(0) if admitted && !answering => between += 1,
             Msg::Token(1) => answering = true,
             Msg::Done(id, out) => {
-                done.insert(id, out.unwrap().tokens);
+                done.insert(id, (*out).unwrap().tokens);
             }
             _ => {}
         }
@@ -671,12 +735,7 @@ fn prompts_run_as_rows_of_the_batched_step_give_each_request_its_tokens_alone() 
     .unwrap();
     let (tx, rx) = channel();
     for i in 0..6 {
-        let sink = Box::new(Probe {
-            id: i,
-            tx: tx.clone(),
-            tokens: 0,
-            stop_after: None,
-        });
+        let sink = Probe::new(i, &tx);
         scheduler.submit(policy(i), &request(i), sink).unwrap();
     }
     let (done, most) = collect(&rx, 6);

@@ -671,6 +671,11 @@ fn a_shared_document_is_prefilled_once_and_a_request_beyond_the_kv_budget_is_a_4
     );
     assert_eq!(server.metric("headwise_prefix_hits"), 1.0);
     assert!(server.metric("headwise_prefix_bytes") > 0.0);
+    // The hit read the document's rows in place: part of what it held was shared.
+    let usage = &second["usage"]["headwise"];
+    let shared = usage["kv_shared_bytes"].as_u64().unwrap();
+    let held = usage["kv_bytes"].as_u64().unwrap() + usage["kv_cold_bytes"].as_u64().unwrap();
+    assert!(shared > 0 && shared < held, "{second}");
     // Alone beyond the budget: a 400 that names both numbers.
     let (s, e) = error_of(post(
         &server,

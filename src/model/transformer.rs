@@ -372,10 +372,12 @@ impl Model {
                     let len = rows.len() / (2 * nkv * dh);
                     let (keys, values) = rows.split_at(rows.len() / 2);
                     let heads: Vec<attention::KvRows> = (0..nkv)
-                        .map(|h| attention::KvRows {
-                            keys: &keys[h * len * dh..][..len * dh],
-                            values: &values[h * len * dh..][..len * dh],
-                            len,
+                        .map(|h| {
+                            attention::KvRows::contiguous(
+                                &keys[h * len * dh..][..len * dh],
+                                &values[h * len * dh..][..len * dh],
+                                dh,
+                            )
                         })
                         .collect();
                     attention::decode_rows(&q, dh, &heads, &masks, false);

@@ -256,6 +256,10 @@ pub struct KvStats {
     pub prefill_peak: usize,
     /// Dynamic policies: mean KV heads reading their cold tier per step.
     pub mean_active_kv_heads: Option<f64>,
+    /// Of `end`, the rows shared with another holder at the end (a prompt prefix read
+    /// in place, [`HeadCache::shared_bytes`]).
+    #[serde(default)]
+    pub shared: KvBytes,
 }
 
 /// A generation and what it cost.
@@ -673,6 +677,8 @@ impl<'a> Decoding<'a> {
             return None;
         }
         self.offered = true;
+        // Shared copy-on-write: the prefix and this sequence read the same rows.
+        self.session.cache_mut().share();
         let mut cache = self.session.cache().clone();
         for &(layer, head, _) in &self.plan.topk {
             cache.set_topk(layer, head, None).ok()?;
@@ -776,9 +782,15 @@ impl<'a> Decoding<'a> {
         }
     }
 
-    /// Resident KV bytes now.
+    /// Resident KV bytes now (rows of a shared prefix it reads in place included).
     pub fn kv_bytes(&self) -> KvBytes {
         self.session.cache().bytes()
+    }
+
+    /// Of [`Decoding::kv_bytes`], the rows it shares with another holder (a prefix it
+    /// continued or offered, [`HeadCache::shared_bytes`]).
+    pub fn shared_kv_bytes(&self) -> KvBytes {
+        self.session.cache().shared_bytes()
     }
 
     /// Tokens generated so far.
@@ -791,6 +803,7 @@ impl<'a> Decoding<'a> {
         let cache = self.session.cache();
         let kv = KvStats {
             end: cache.bytes(),
+            shared: cache.shared_bytes(),
             peak: cache.peak_bytes(),
             prefill_peak: self.prefill_peak,
             mean_active_kv_heads: self

@@ -8,7 +8,9 @@
 //! tokens are the same bits. Only policies that stream their prefill share prefixes (a press decides
 //! what to keep from the whole prompt, so its result does not continue). The
 //! [`PrefixCache`] keeps prefixes per policy under a byte cap, evicting the least
-//! recently used; a hit copies the prefix (the copy then grows on its own).
+//! recently used that no running sequence reads. A prefix's rows are shared
+//! copy-on-write ([`HeadCache::share`]): a hit reads them in place and appends its own
+//! positions after them (a ring, rewritten as it turns, is the one part it copies).
 
 use crate::model::HeadCache;
 
@@ -39,6 +41,12 @@ impl Prefix {
     pub fn bytes(&self) -> usize {
         self.cache.bytes().total()
     }
+
+    /// Whether another cache reads its rows (a sequence that continued it, or the one
+    /// that offered it): evicting it then would free nothing.
+    pub fn in_use(&self) -> bool {
+        self.cache.shared_bytes().total() > 0
+    }
 }
 
 struct Entry {
@@ -65,7 +73,8 @@ impl PrefixCache {
         }
     }
 
-    /// A copy of the longest prefix of `policy` that `prompt` starts with, if any.
+    /// The longest prefix of `policy` that `prompt` starts with, if any: a clone that
+    /// reads the kept rows in place.
     pub fn lookup(&mut self, policy: &str, prompt: &[u32]) -> Option<Prefix> {
         self.clock += 1;
         let clock = self.clock;
@@ -78,27 +87,42 @@ impl PrefixCache {
         Some(best.prefix.clone())
     }
 
-    /// Keep `prefix` of `policy` (replacing the same tokens' entry), evicting the least
-    /// recently used until it fits; one larger than the cap is not kept.
+    /// Keep `prefix` of `policy`, evicting the least recently used prefixes that no
+    /// sequence reads until it fits; one that does not fit then is not kept (nor one
+    /// whose tokens are kept already: that entry is marked used instead).
     pub fn insert(&mut self, policy: &str, prefix: Prefix) {
-        if prefix.bytes() > self.cap {
+        self.clock += 1;
+        let clock = self.clock;
+        if let Some(same) = self
+            .entries
+            .iter_mut()
+            .find(|e| e.policy == policy && e.prefix.tokens == prefix.tokens)
+        {
+            same.last_use = clock;
             return;
         }
-        self.entries
-            .retain(|e| !(e.policy == policy && e.prefix.tokens == prefix.tokens));
+        let held: usize = self
+            .entries
+            .iter()
+            .filter(|e| e.prefix.in_use())
+            .map(|e| e.prefix.bytes())
+            .sum();
+        if held + prefix.bytes() > self.cap {
+            return;
+        }
         while self.bytes() + prefix.bytes() > self.cap {
             let Some(oldest) = self
                 .entries
                 .iter()
                 .enumerate()
+                .filter(|(_, e)| !e.prefix.in_use())
                 .min_by_key(|(_, e)| e.last_use)
                 .map(|(i, _)| i)
             else {
-                break;
+                return;
             };
             self.entries.swap_remove(oldest);
         }
-        self.clock += 1;
         self.entries.push(Entry {
             policy: policy.to_string(),
             prefix,
@@ -161,6 +185,43 @@ mod tests {
         // The same tokens again replace their entry.
         cache.insert("a", prefix(&[1, 2]));
         assert_eq!(cache.len(), 4);
+    }
+
+    /// `prefix(tokens)` with every position stored and shared, as a prefill offers it.
+    fn shared(tokens: &[u32]) -> Prefix {
+        let mut p = prefix(tokens);
+        let cfg = tiny();
+        for pos in 0..tokens.len() {
+            for layer in 0..cfg.n_layers {
+                for h in 0..cfg.n_kv_heads {
+                    let row = vec![pos as f32; cfg.d_head];
+                    p.cache.store_mut(layer, h).push(pos, &row, &row);
+                }
+            }
+            p.cache.commit(1);
+        }
+        p.cache.share();
+        p
+    }
+
+    #[test]
+    fn a_prefix_a_sequence_reads_is_not_evicted_and_is_not_copied() {
+        let one = shared(&[1; 8]).bytes();
+        let mut cache = PrefixCache::new(one);
+        cache.insert("a", shared(&[1; 8]));
+        let reader = cache.lookup("a", &[1; 9]).unwrap();
+        // The hit reads the kept rows: nothing of it is its own.
+        assert_eq!(reader.cache.shared_bytes(), reader.cache.bytes());
+        // In use: a newer prefix does not evict it, and is not kept.
+        cache.insert("a", shared(&[2; 8]));
+        assert!(cache.lookup("a", &[2; 9]).is_none());
+        assert!(cache.lookup("a", &[1; 9]).is_some());
+        // Once its reader is gone it goes first.
+        drop(reader);
+        cache.insert("a", shared(&[2; 8]));
+        assert!(cache.lookup("a", &[2; 9]).is_some());
+        assert!(cache.lookup("a", &[1; 9]).is_none());
+        assert!(cache.bytes() <= one);
     }
 
     #[test]

@@ -21,7 +21,9 @@
 //!    one read of the weights. With `prefix_cache_bytes`, a streaming prefill's deepest
 //!    shareable point ([`prefix_grain`](crate::policy::prefix::prefix_grain)) is kept in
 //!    a [`PrefixCache`], and a later request of the same policy whose prompt starts with
-//!    it continues from a copy instead of prefilling it again;
+//!    it continues from it instead of prefilling it again: it reads the prefix's rows in
+//!    place (copy-on-write, [`HeadCache::share`]) and reserves only what it adds, so the
+//!    resident KV stays within `kv_budget` plus `prefix_cache_bytes`;
 //! 4. runs one batched decode step of every prefilled sequence (with the staged prompt
 //!    positions) and hands each decoded sequence its token ([`Sink::token`]); finished
 //!    and cancelled sequences leave at once, their caches freed and their reservation
@@ -98,7 +100,8 @@ pub struct Load {
     pub waiting: AtomicUsize,
     /// KV bytes the admitted sequences reserved.
     pub reserved_bytes: AtomicUsize,
-    /// KV bytes their caches hold now.
+    /// KV bytes their caches hold now, less the rows they share with the prefix cache
+    /// (counted once, in `prefix_bytes`).
     pub used_bytes: AtomicUsize,
     /// Batched steps run that decoded, and the sequences they decoded (mean batch size =
     /// rows / steps; prompt positions run in a step are not counted).
@@ -349,22 +352,31 @@ fn run(
         // 2. Admission, first come first served.
         while running.len() < cfg.max_batch {
             let Some(front) = waiting.front() else { break };
-            if cfg.kv_budget.is_some_and(|b| reserved + front.need > b) {
+            // A request that continues a shared prefix reads its rows in place (the
+            // prefix cache holds them): it reserves only what it adds.
+            let prefix = match runtimes.get(&front.policy).map(|rt| rt.plan().prefill) {
+                Some(Prefill::Stream) => {
+                    prefixes.lookup(&front.policy, &front.ids[..front.ids.len() - 1])
+                }
+                _ => None,
+            };
+            let shared = prefix
+                .as_ref()
+                .map_or(0, |p| p.cache.shared_bytes().total());
+            let need = front.need.saturating_sub(shared);
+            if cfg.kv_budget.is_some_and(|b| reserved + need > b) {
                 break;
             }
             let Some(mut job) = waiting.pop_front() else {
                 break;
             };
+            job.need = need;
             let Some((policy, rt)) = runtimes.get_key_value(&job.policy) else {
                 job.sink
                     .done(Err(Error::Internal("a job of an unknown policy")));
                 continue;
             };
             job.sink.admitted();
-            let prefix = match rt.plan().prefill {
-                Prefill::Stream => prefixes.lookup(policy, &job.ids[..job.ids.len() - 1]),
-                Prefill::FullThenEvict => None,
-            };
             if let Some(p) = &prefix {
                 load.prefix_hits.fetch_add(1, Ordering::Relaxed);
                 load.prefix_tokens
@@ -498,7 +510,11 @@ fn run(
         load.running.store(running.len(), Ordering::Relaxed);
         load.waiting.store(waiting.len(), Ordering::Relaxed);
         load.reserved_bytes.store(reserved, Ordering::Relaxed);
-        let used: usize = running.iter().map(|r| r.decoding.kv_bytes().total()).sum();
+        // Rows shared with the prefix cache are counted once, there.
+        let used: usize = running
+            .iter()
+            .map(|r| r.decoding.kv_bytes().total() - r.decoding.shared_kv_bytes().total())
+            .sum();
         load.used_bytes.store(used, Ordering::Relaxed);
         load.prefix_bytes.store(prefixes.bytes(), Ordering::Relaxed);
     }

@@ -330,6 +330,10 @@ pub struct HeadwiseUsage {
     /// Prompt tokens continued from a shared prefix instead of prefilled.
     #[serde(default)]
     pub cached_prompt_tokens: usize,
+    /// Of `kv_bytes` and `kv_cold_bytes`, the shared prefix's rows this request read in
+    /// place (the prefix cache holds them once for every request that continues it).
+    #[serde(default)]
+    pub kv_shared_bytes: usize,
     /// Retrievals of a RAG request.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub retrievals: Option<usize>,

@@ -454,6 +454,7 @@ impl Generation {
                 decode_tok_s: s.decode_tok_s,
                 queue_secs: self.queue_secs.unwrap_or(0.0),
                 cached_prompt_tokens: s.cached_prompt_tokens,
+                kv_shared_bytes: s.kv.shared.total(),
                 retrievals: None,
             },
         };
@@ -618,6 +619,7 @@ impl Engine {
                             decode_tok_s: a.generated_tokens as f64 / secs,
                             queue_secs,
                             cached_prompt_tokens: 0,
+                            kv_shared_bytes: 0,
                             retrievals: Some(a.retrievals.len()),
                         },
                     },

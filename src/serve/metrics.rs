@@ -87,7 +87,7 @@ impl Default for Metrics {
             ),
             (
                 "kv_used_bytes",
-                "KV bytes the admitted sequences' caches hold",
+                "KV bytes the admitted sequences' caches hold (shared prefix rows counted in prefix_bytes)",
                 &gauges[2],
             ),
             ("batch_size", "Sequences admitted to the batch", &gauges[3]),

@@ -152,12 +152,10 @@ mod tests {
         let q: Vec<f32> = q.to_vec1().unwrap();
         let kv = Tensor::randn(0f32, 1.0, (2 * nkv * len * dh,), &Device::Cpu).unwrap();
         let kv: Vec<f32> = kv.to_vec1().unwrap();
+        let keys = |h: usize| &kv[h * len * dh..][..len * dh];
+        let values = |h: usize| &kv[(nkv + h) * len * dh..][..len * dh];
         let heads: Vec<KvRows> = (0..nkv)
-            .map(|h| KvRows {
-                keys: &kv[h * len * dh..][..len * dh],
-                values: &kv[(nkv + h) * len * dh..][..len * dh],
-                len,
-            })
+            .map(|h| KvRows::contiguous(keys(h), values(h), dh))
             .collect();
         let bias: Vec<f32> = (0..len)
             .map(|j| if j % 7 == 0 { f32::NEG_INFINITY } else { 0.1 })
@@ -172,6 +170,23 @@ mod tests {
                 "{isa}"
             );
             assert_eq!(p, probs, "{isa}");
+        }
+        // Rows in two parts (a shared prefix, then a head's own) give the same bits
+        // wherever the split falls: inside a task's part of the keys or at its edge.
+        for split in [0, 1, 64, 150, 299, 300] {
+            let heads: Vec<KvRows> = (0..nkv)
+                .map(|h| {
+                    let (k0, k1) = keys(h).split_at(split * dh);
+                    let (v0, v1) = values(h).split_at(split * dh);
+                    KvRows::parts([k0, k1], [v0, v1], dh)
+                })
+                .collect();
+            let (o, p) = decode_rows(&q, dh, &heads, &masks, true);
+            assert!(
+                o.iter().zip(&out).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "split {split}"
+            );
+            assert_eq!(p, probs, "split {split}");
         }
     }
 

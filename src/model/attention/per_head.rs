@@ -10,7 +10,7 @@ use candle_core::{Device, Tensor};
 use rayon::prelude::*;
 
 use crate::model::attention::{batched, blocked, decode_rows, KvRows};
-use crate::model::cache::store::{Readable, Retention};
+use crate::model::cache::store::{Parts, Retention};
 use crate::model::{HeadCache, TopK};
 use crate::Result;
 
@@ -44,10 +44,14 @@ pub(crate) fn per_head(
         }
         let len = start + 1;
         let (stores, active) = cache.layer(layer);
-        let reads: Vec<Readable> = stores
+        let reads: Vec<(Parts, Parts)> = stores
             .par_iter()
             .zip(active)
-            .map(|(s, &a)| s.readable(len, a))
+            .map(|(s, &a)| s.parts(len, a))
+            .collect();
+        let rows: Vec<KvRows> = reads
+            .iter()
+            .map(|([k0, k1], [v0, v1])| KvRows::parts([k0, k1], [v0, v1], dh))
             .collect();
         let q: Vec<f32> = queries.flatten_all()?.to_vec1()?;
         let masks: Vec<Option<Vec<f32>>> = (0..nh)
@@ -55,16 +59,8 @@ pub(crate) fn per_head(
                 cache.topk(layer, h).map(|tk| {
                     let kv = h / group;
                     let pos = stores[kv].readable_positions(len, active[kv]);
-                    topk_bias(&q[h * dh..(h + 1) * dh], &reads[kv].0, &pos, len - 1, tk)
+                    topk_bias(&q[h * dh..(h + 1) * dh], &rows[kv], &pos, len - 1, tk)
                 })
-            })
-            .collect();
-        let rows: Vec<KvRows> = reads
-            .iter()
-            .map(|(k, v)| KvRows {
-                keys: k,
-                values: v,
-                len: k.len() / dh,
             })
             .collect();
         let masks: Vec<Option<&[f32]>> = masks.iter().map(|m| m.as_deref()).collect();
@@ -165,7 +161,7 @@ fn ring_mask(
 
 /// Additive bias over a head's readable rows that keeps the `k` best-scoring keys, the
 /// first `sink` positions and the `window` most recent ones for a query at `query`.
-fn topk_bias(q: &[f32], keys: &[f32], positions: &[usize], query: usize, tk: TopK) -> Vec<f32> {
+fn topk_bias(q: &[f32], rows: &KvRows, positions: &[usize], query: usize, tk: TopK) -> Vec<f32> {
     let d = q.len();
     let protected = |p: usize| p < tk.sink || p + tk.window > query;
     let mut scores: Vec<(f32, usize)> = positions
@@ -173,7 +169,7 @@ fn topk_bias(q: &[f32], keys: &[f32], positions: &[usize], query: usize, tk: Top
         .enumerate()
         .filter(|(_, &p)| !protected(p))
         .map(|(i, _)| {
-            let k = &keys[i * d..(i + 1) * d];
+            let k = rows.key(i, d);
             (q.iter().zip(k).map(|(a, b)| a * b).sum::<f32>(), i)
         })
         .collect();
@@ -367,8 +363,13 @@ mod tests {
             sink: 1,
             window: 2,
         };
-        let bias = topk_bias(&[1.0, 0.0], &keys, &positions, 7, tk);
-        let kept: Vec<usize> = (0..8).filter(|&i| bias[i] == 0.0).collect();
-        assert_eq!(kept, vec![0, 2, 4, 6, 7]);
+        // The same keys in one run, and in two parts (a shared prefix, then own rows).
+        for split in [0, 3] {
+            let (k0, k1) = keys.split_at(2 * split);
+            let rows = KvRows::parts([k0, k1], [k0, k1], 2);
+            let bias = topk_bias(&[1.0, 0.0], &rows, &positions, 7, tk);
+            let kept: Vec<usize> = (0..8).filter(|&i| bias[i] == 0.0).collect();
+            assert_eq!(kept, vec![0, 2, 4, 6, 7], "split {split}");
+        }
     }
 }

@@ -77,12 +77,61 @@ pub(super) fn dot_lanes(a: &[f32], b: &[f32]) -> f32 {
 const MIN_PART: usize = 64;
 
 /// One KV head's stored rows for a decode step: `len` key rows and `len` value rows of
-/// `d_head` floats each, row-major.
+/// `d_head` floats each, row-major, in two parts one after the other (rows shared with
+/// other caches, then the head's own; the first part is empty for a plain cache).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct KvRows<'a> {
-    pub keys: &'a [f32],
-    pub values: &'a [f32],
-    pub len: usize,
+    keys: [&'a [f32]; 2],
+    values: [&'a [f32]; 2],
+    /// Rows in the first part.
+    split: usize,
+    len: usize,
+}
+
+impl<'a> KvRows<'a> {
+    /// `len` rows of `d_head` floats in one run each.
+    pub(crate) fn contiguous(keys: &'a [f32], values: &'a [f32], d_head: usize) -> Self {
+        Self::parts([&[], keys], [&[], values], d_head)
+    }
+
+    /// Rows in two parts each, keys and values split alike.
+    ///
+    /// Panics if the parts are not whole rows or keys and values split differently.
+    pub(crate) fn parts(keys: [&'a [f32]; 2], values: [&'a [f32]; 2], d_head: usize) -> Self {
+        assert!(
+            keys.iter().chain(&values).all(|p| p.len() % d_head == 0)
+                && keys[0].len() == values[0].len()
+                && keys[1].len() == values[1].len(),
+            "key and value parts of whole rows, split alike"
+        );
+        Self {
+            keys,
+            values,
+            split: keys[0].len() / d_head,
+            len: (keys[0].len() + keys[1].len()) / d_head,
+        }
+    }
+
+    /// Key row `j` (`dh` floats).
+    #[inline(always)]
+    pub(crate) fn key(&self, j: usize, dh: usize) -> &'a [f32] {
+        Self::row(self.keys, self.split, j, dh)
+    }
+
+    /// Value row `j` (`dh` floats).
+    #[inline(always)]
+    fn value(&self, j: usize, dh: usize) -> &'a [f32] {
+        Self::row(self.values, self.split, j, dh)
+    }
+
+    #[inline(always)]
+    fn row(parts: [&'a [f32]; 2], split: usize, j: usize, dh: usize) -> &'a [f32] {
+        if j < split {
+            &parts[0][j * dh..][..dh]
+        } else {
+            &parts[1][(j - split) * dh..][..dh]
+        }
+    }
 }
 
 /// Attention of one query position per head (a decode step): `(n_heads, 1, d_head)` and,
@@ -115,10 +164,12 @@ pub(crate) fn single_query(
                     return Err(Error::invalid("attention", "key rows must be contiguous"));
                 }
                 let heads: Vec<KvRows> = (0..nkv)
-                    .map(|h| KvRows {
-                        keys: &kd[h * ks[0]..][..kv_len * dh],
-                        values: &vd[h * vs[0]..][..kv_len * dh],
-                        len: kv_len,
+                    .map(|h| {
+                        KvRows::contiguous(
+                            &kd[h * ks[0]..][..kv_len * dh],
+                            &vd[h * vs[0]..][..kv_len * dh],
+                            dh,
+                        )
                     })
                     .collect();
                 Ok(decode_rows(&qd[..nh * dh], dh, &heads, &masks, want_probs))
@@ -288,7 +339,7 @@ fn run_task(task: &mut Task, step: &Step) {
     let n = task.keys.len();
     let w = &mut task.weights;
     for (i, j) in task.keys.clone().enumerate() {
-        let k = &rows.keys[j * dh..][..dh];
+        let k = rows.key(j, dh);
         prefetch(k);
         for g in 0..group {
             let h = task.kv_head * group + g;
@@ -310,7 +361,7 @@ fn run_task(task: &mut Task, step: &Step) {
         };
     }
     for (i, j) in task.keys.clone().enumerate() {
-        let v = &rows.values[j * dh..][..dh];
+        let v = rows.value(j, dh);
         prefetch(v);
         for (g, acc) in task.accs.chunks_exact_mut(dh).enumerate() {
             let p = w[g * n + i];

@@ -85,10 +85,7 @@ impl HeadCache {
         Ok(effective(cfg, retention)?
             .into_iter()
             .map(|r| HeadStore::projected(r, format, cfg.d_head, capacity))
-            .fold(KvBytes::default(), |acc, b| KvBytes {
-                hot: acc.hot + b.hot,
-                cold: acc.cold + b.cold,
-            }))
+            .sum())
     }
 
     /// A cache holding what `kv` holds (a prefill run with the plain cache) as `format`,
@@ -201,13 +198,24 @@ impl HeadCache {
 
     /// Bytes allocated now.
     pub fn bytes(&self) -> KvBytes {
-        self.stores.iter().fold(KvBytes::default(), |acc, s| {
-            let b = s.bytes();
-            KvBytes {
-                hot: acc.hot + b.hot,
-                cold: acc.cold + b.cold,
-            }
-        })
+        self.stores.iter().map(HeadStore::bytes).sum()
+    }
+
+    /// Of [`HeadCache::bytes`], what is shared with another cache (rows of a prompt
+    /// prefix read in place, [`HeadCache::share`]): what dropping this cache would not
+    /// free.
+    pub fn shared_bytes(&self) -> KvBytes {
+        self.stores.iter().map(HeadStore::shared_bytes).sum()
+    }
+
+    /// Share the positions stored so far copy-on-write: clones of this cache (and this
+    /// cache itself) read them in place and append their own positions after them. Full
+    /// stores and cold tiers are shared; rings, rewritten as they turn, are copied by
+    /// each clone. The same bits are read either way.
+    pub fn share(&mut self) {
+        for store in &mut self.stores {
+            store.share();
+        }
     }
 
     /// The largest [`HeadCache::bytes`] seen after any forward step since the cache was

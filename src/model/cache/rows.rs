@@ -6,8 +6,14 @@
 //! of [`Q8_BLOCK`] values, each with one f16 scale `d = absmax / 127` and the values
 //! rounded to `x / d`, 34 bytes per 32 values. A row narrower than a block, or not a
 //! multiple of it, ends in a shorter block with its own scale.
+//!
+//! Rows can be shared copy-on-write ([`Rows::share`]): the rows held so far move behind
+//! an [`Arc`] that clones of the rows read in place (a prompt prefix prefilled once and
+//! continued by many sequences), and each holder appends rows of its own after them. A
+//! write into a shared row first gives the writer its own copy of them all.
 
 use std::borrow::Cow;
+use std::sync::Arc;
 
 use half::f16;
 use serde::{Deserialize, Serialize};
@@ -60,33 +66,116 @@ enum Data {
     },
 }
 
-/// Rows of `d` values in one [`RowFormat`].
-#[derive(Debug, Clone)]
-pub(crate) struct Rows {
-    d: usize,
-    data: Data,
-}
-
-impl Rows {
-    /// No rows yet, room for `rows`.
-    pub(crate) fn new(format: RowFormat, d: usize, rows: usize) -> Self {
-        let data = match format {
+impl Data {
+    /// No rows of `format` yet, room for `rows` rows of `d` values.
+    fn new(format: RowFormat, d: usize, rows: usize) -> Self {
+        match format {
             RowFormat::F32 => Data::F32(Vec::with_capacity(rows * d)),
             RowFormat::F16 => Data::F16(Vec::with_capacity(rows * d)),
             RowFormat::Q8_0 => Data::Q8 {
                 q: Vec::with_capacity(rows * d),
                 d: Vec::with_capacity(rows * d.div_ceil(Q8_BLOCK)),
             },
-        };
-        Self { d, data }
+        }
     }
 
-    /// Room for `rows` rows in all, allocated exactly (nothing changes when there is
-    /// room already): a copied store made ready for the positions still to come.
+    fn format(&self) -> RowFormat {
+        match self {
+            Data::F32(_) => RowFormat::F32,
+            Data::F16(_) => RowFormat::F16,
+            Data::Q8 { .. } => RowFormat::Q8_0,
+        }
+    }
+
+    /// Rows of `d` values held.
+    fn rows(&self, d: usize) -> usize {
+        match self {
+            Data::F32(v) => v.len() / d,
+            Data::F16(v) => v.len() / d,
+            Data::Q8 { q, .. } => q.len() / d,
+        }
+    }
+
+    /// Rows of `d` values it has room for.
+    fn capacity(&self, d: usize) -> usize {
+        match self {
+            Data::F32(v) => v.capacity() / d,
+            Data::F16(v) => v.capacity() / d,
+            Data::Q8 { q, .. } => q.capacity() / d,
+        }
+    }
+
+    /// Append row `r` of `src` (the same format, rows of `d` values).
+    fn extend_row(&mut self, src: &Data, r: usize, d: usize) {
+        let blocks = d.div_ceil(Q8_BLOCK);
+        match (src, self) {
+            (Data::F32(a), Data::F32(b)) => b.extend_from_slice(&a[r * d..(r + 1) * d]),
+            (Data::F16(a), Data::F16(b)) => b.extend_from_slice(&a[r * d..(r + 1) * d]),
+            (Data::Q8 { q, d: s }, Data::Q8 { q: oq, d: os }) => {
+                oq.extend_from_slice(&q[r * d..(r + 1) * d]);
+                os.extend_from_slice(&s[r * blocks..(r + 1) * blocks]);
+            }
+            _ => unreachable!("rows keep their format"),
+        }
+    }
+
+    /// Append rows `range` as f32 to `out`.
+    fn read(&self, d: usize, range: std::ops::Range<usize>, out: &mut Vec<f32>) {
+        match self {
+            Data::F32(v) => out.extend_from_slice(&v[range.start * d..range.end * d]),
+            Data::F16(v) => {
+                out.extend(v[range.start * d..range.end * d].iter().map(|x| x.to_f32()))
+            }
+            Data::Q8 { q, d: scales } => {
+                let blocks = d.div_ceil(Q8_BLOCK);
+                for r in range {
+                    for (b, block) in q[r * d..(r + 1) * d].chunks(Q8_BLOCK).enumerate() {
+                        let s = scales[r * blocks + b].to_f32();
+                        out.extend(block.iter().map(|&x| x as f32 * s));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Bytes allocated.
+    fn bytes(&self) -> usize {
+        match self {
+            Data::F32(v) => v.capacity() * 4,
+            Data::F16(v) => v.capacity() * 2,
+            Data::Q8 { q, d } => q.capacity() + d.capacity() * 2,
+        }
+    }
+}
+
+/// Rows of `d` values in one [`RowFormat`]: the shared rows first (if any), then its
+/// own.
+#[derive(Debug, Clone)]
+pub(crate) struct Rows {
+    d: usize,
+    /// Rows shared with other holders ([`Rows::share`]), read in place, never written.
+    shared: Option<Arc<Data>>,
+    data: Data,
+}
+
+impl Rows {
+    /// No rows yet, room for `rows`.
+    pub(crate) fn new(format: RowFormat, d: usize, rows: usize) -> Self {
+        Self {
+            d,
+            shared: None,
+            data: Data::new(format, d, rows),
+        }
+    }
+
+    /// Room for `rows` rows in all (shared ones included), allocated exactly (nothing
+    /// changes when there is room already): a copied store made ready for the positions
+    /// still to come.
     pub(crate) fn reserve_rows(&mut self, rows: usize) {
         fn room<T>(v: &mut Vec<T>, n: usize) {
             v.reserve_exact(n.saturating_sub(v.len()));
         }
+        let rows = rows.saturating_sub(self.shared_rows());
         let (d, blocks) = (self.d, self.d.div_ceil(Q8_BLOCK));
         match &mut self.data {
             Data::F32(v) => room(v, rows * d),
@@ -99,29 +188,74 @@ impl Rows {
     }
 
     fn format(&self) -> RowFormat {
-        match self.data {
-            Data::F32(_) => RowFormat::F32,
-            Data::F16(_) => RowFormat::F16,
-            Data::Q8 { .. } => RowFormat::Q8_0,
+        self.data.format()
+    }
+
+    /// Rows held, shared ones included.
+    pub(crate) fn len(&self) -> usize {
+        self.shared_rows() + self.data.rows(self.d)
+    }
+
+    /// Rows shared with other holders.
+    fn shared_rows(&self) -> usize {
+        self.shared.as_ref().map_or(0, |s| s.rows(self.d))
+    }
+
+    /// Make every row held so far shared: clones then read them in place instead of
+    /// copying them, and each holder appends its own rows after them. The shared rows
+    /// are allocated exactly; this holder keeps the room it had for more.
+    pub(crate) fn share(&mut self) {
+        let d = self.d;
+        if self.data.rows(d) == 0 && self.shared.is_some() {
+            return;
+        }
+        let room = self.data.capacity(d) - self.data.rows(d);
+        let mut all = Data::new(self.format(), d, self.len());
+        for part in self.shared.iter().map(|s| &**s).chain([&self.data]) {
+            for r in 0..part.rows(d) {
+                all.extend_row(part, r, d);
+            }
+        }
+        self.shared = Some(Arc::new(all));
+        self.data = Data::new(self.format(), d, room);
+    }
+
+    /// Own a copy of the shared rows (before a write into one of them).
+    fn unshare(&mut self) {
+        if let Some(shared) = self.shared.take() {
+            let d = self.d;
+            let own = std::mem::replace(&mut self.data, Data::new(shared.format(), d, 0));
+            let mut all = Data::new(shared.format(), d, shared.rows(d) + own.capacity(d));
+            for part in [&*shared, &own] {
+                for r in 0..part.rows(d) {
+                    all.extend_row(part, r, d);
+                }
+            }
+            self.data = all;
         }
     }
 
-    /// Rows held.
-    pub(crate) fn len(&self) -> usize {
-        match &self.data {
-            Data::F32(v) => v.len() / self.d,
-            Data::F16(v) => v.len() / self.d,
-            Data::Q8 { q, .. } => q.len() / self.d,
-        }
+    /// Bytes of the shared rows while another holder reads them too (what this holder
+    /// would not free by dropping them).
+    pub(crate) fn shared_bytes(&self) -> usize {
+        self.shared
+            .as_ref()
+            .filter(|s| Arc::strong_count(s) > 1)
+            .map_or(0, |s| s.bytes())
     }
 
     /// Write `row` (`d` values) as row `slot`; a slot past the end first grows the rows
-    /// to it (the rows between are zeros until written).
+    /// to it (the rows between are zeros until written). A shared slot is written in
+    /// this holder's own copy of the rows.
     pub(crate) fn write(&mut self, slot: usize, row: &[f32]) {
         debug_assert_eq!(row.len(), self.d);
+        if slot < self.shared_rows() {
+            self.unshare();
+        }
+        let slot = slot - self.shared_rows();
         let d = self.d;
         let blocks = d.div_ceil(Q8_BLOCK);
-        if slot >= self.len() {
+        if slot >= self.data.rows(d) {
             let rows = slot + 1;
             match &mut self.data {
                 Data::F32(v) => v.resize(rows * d, 0.0),
@@ -159,70 +293,66 @@ impl Rows {
         self.write(self.len(), row);
     }
 
-    /// Append rows `range` as f32 to `out`.
-    pub(crate) fn read(&self, range: std::ops::Range<usize>, out: &mut Vec<f32>) {
-        let d = self.d;
-        match &self.data {
-            Data::F32(v) => out.extend_from_slice(&v[range.start * d..range.end * d]),
-            Data::F16(v) => {
-                out.extend(v[range.start * d..range.end * d].iter().map(|x| x.to_f32()))
-            }
-            Data::Q8 { q, d: scales } => {
-                let blocks = d.div_ceil(Q8_BLOCK);
-                for r in range {
-                    for (b, block) in q[r * d..(r + 1) * d].chunks(Q8_BLOCK).enumerate() {
-                        let s = scales[r * blocks + b].to_f32();
-                        out.extend(block.iter().map(|&x| x as f32 * s));
-                    }
-                }
-            }
+    /// The part holding row `r`, and the row's index in it.
+    fn locate(&self, r: usize) -> (&Data, usize) {
+        match &self.shared {
+            Some(s) if r < s.rows(self.d) => (s, r),
+            _ => (&self.data, r - self.shared_rows()),
         }
     }
 
-    /// Every row `(rows, d)` as f32: borrowed when stored as f32, else decoded.
-    pub(crate) fn as_f32(&self) -> Cow<'_, [f32]> {
-        match &self.data {
-            Data::F32(v) => Cow::Borrowed(v),
+    /// Append rows `range` as f32 to `out`.
+    pub(crate) fn read(&self, range: std::ops::Range<usize>, out: &mut Vec<f32>) {
+        let split = self.shared_rows();
+        if let Some(s) = &self.shared {
+            s.read(self.d, range.start.min(split)..range.end.min(split), out);
+        }
+        let own = range.start.max(split) - split..range.end.max(split) - split;
+        self.data.read(self.d, own, out);
+    }
+
+    /// Every row `(rows, d)` as f32 in two parts, the shared rows then the own ones:
+    /// borrowed when stored as f32, else decoded (all into the first part).
+    pub(crate) fn as_f32(&self) -> [Cow<'_, [f32]>; 2] {
+        match (&self.shared, &self.data) {
+            (None, Data::F32(v)) => [Cow::Borrowed(&[]), Cow::Borrowed(v)],
+            (Some(s), Data::F32(v)) => match &**s {
+                Data::F32(sv) => [Cow::Borrowed(sv), Cow::Borrowed(v)],
+                _ => unreachable!("rows keep their format"),
+            },
             _ => {
                 let mut out = Vec::with_capacity(self.len() * self.d);
                 self.read(0..self.len(), &mut out);
-                Cow::Owned(out)
+                [Cow::Owned(out), Cow::Borrowed(&[])]
             }
         }
     }
 
-    /// Rows `rows` (in that order), in the same format, with room for `room` more.
+    /// Rows `rows` (in that order), in the same format, with room for `room` more: all
+    /// the selection's own.
     pub(crate) fn select(&self, rows: &[usize], room: usize) -> Self {
         let mut out = Self::new(self.format(), self.d, rows.len() + room);
-        let d = self.d;
-        let blocks = d.div_ceil(Q8_BLOCK);
         for &r in rows {
-            match (&self.data, &mut out.data) {
-                (Data::F32(a), Data::F32(b)) => b.extend_from_slice(&a[r * d..(r + 1) * d]),
-                (Data::F16(a), Data::F16(b)) => b.extend_from_slice(&a[r * d..(r + 1) * d]),
-                (Data::Q8 { q, d: s }, Data::Q8 { q: oq, d: os }) => {
-                    oq.extend_from_slice(&q[r * d..(r + 1) * d]);
-                    os.extend_from_slice(&s[r * blocks..(r + 1) * blocks]);
-                }
-                _ => unreachable!("a selection keeps its format"),
-            }
+            let (part, i) = self.locate(r);
+            out.data.extend_row(part, i, self.d);
         }
         out
     }
 
-    /// Bytes allocated.
+    /// Bytes allocated, shared rows included.
     pub(crate) fn bytes(&self) -> usize {
-        match &self.data {
-            Data::F32(v) => v.capacity() * 4,
-            Data::F16(v) => v.capacity() * 2,
-            Data::Q8 { q, d } => q.capacity() + d.capacity() * 2,
-        }
+        self.shared.as_ref().map_or(0, |s| s.bytes()) + self.data.bytes()
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every row as f32, the two parts of [`Rows::as_f32`] joined.
+    fn all(rows: &Rows) -> Vec<f32> {
+        rows.as_f32().concat()
+    }
 
     /// A row of `n` values spread over about +-3.
     fn row(n: usize, seed: f32) -> Vec<f32> {
@@ -256,7 +386,7 @@ mod tests {
                 .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
             assert!(err <= tol, "{format:?}: {err}");
             assert_eq!(rows.bytes(), bytes, "{format:?}");
-            assert_eq!(rows.as_f32().len(), 128);
+            assert_eq!(all(&rows).len(), 128);
         }
     }
 
@@ -282,7 +412,7 @@ mod tests {
         // a zero block stays zero
         let mut z = Rows::new(RowFormat::Q8_0, 4, 1);
         z.push(&[0.0; 4]);
-        assert_eq!(z.as_f32().as_ref(), &[0.0; 4]);
+        assert_eq!(all(&z), [0.0; 4]);
     }
 
     #[test]
@@ -296,15 +426,54 @@ mod tests {
             r.write(1, &[1.0, -1.0]);
             r.write(1, &[127.0, -3.0]);
             assert_eq!(r.len(), 3);
-            let all = [0.0, 0.0, 127.0, -3.0, 2.0, -127.0];
-            assert_eq!(r.as_f32().as_ref(), &all, "{format:?}");
+            let want = [0.0, 0.0, 127.0, -3.0, 2.0, -127.0];
+            assert_eq!(all(&r), want, "{format:?}");
             let s = r.select(&[2, 0], 3);
             assert_eq!(s.format(), format);
-            assert_eq!(s.as_f32().as_ref(), &[2.0, -127.0, 0.0, 0.0], "{format:?}");
+            assert_eq!(all(&s), [2.0, -127.0, 0.0, 0.0], "{format:?}");
             assert_eq!(s.bytes(), Rows::new(format, 2, 5).bytes());
         }
         // `int8`, the cold tier's earlier name, still reads as q8_0
         let f: RowFormat = serde_json::from_str("\"int8\"").unwrap();
         assert_eq!(f, RowFormat::Q8_0);
+    }
+
+    #[test]
+    fn shared_rows_are_read_in_place_and_copied_only_when_written() {
+        for format in [RowFormat::F32, RowFormat::F16, RowFormat::Q8_0] {
+            let mut a = Rows::new(format, 2, 3);
+            a.push(&[1.0, -127.0]);
+            a.push(&[2.0, 127.0]);
+            a.share();
+            let mut b = a.clone();
+            // `a` and `b` read the same two rows, then append their own.
+            assert_eq!(
+                a.shared_bytes(),
+                Rows::new(format, 2, 2).bytes(),
+                "{format:?}"
+            );
+            a.push(&[3.0, 127.0]);
+            b.push(&[4.0, 127.0]);
+            b.push(&[5.0, 127.0]);
+            assert_eq!(all(&a), [1.0, -127.0, 2.0, 127.0, 3.0, 127.0], "{format:?}");
+            assert_eq!(all(&b)[4..], [4.0, 127.0, 5.0, 127.0], "{format:?}");
+            let mut out = Vec::new();
+            b.read(1..3, &mut out);
+            assert_eq!(out, [2.0, 127.0, 4.0, 127.0], "{format:?}");
+            assert_eq!(all(&b.select(&[3, 0], 0)), [5.0, 127.0, 1.0, -127.0]);
+            // Sharing again moves `a`'s own row behind a new share; `b` keeps the old.
+            a.share();
+            assert_eq!(a.len(), 3);
+            assert_eq!(a.shared_bytes(), 0, "nobody else holds the new share");
+            // A write into a shared row (a ring wrapping) gives `b` its own copy.
+            b.write(0, &[9.0, 127.0]);
+            assert_eq!(b.shared_bytes(), 0);
+            assert_eq!(all(&b), [9.0, 127.0, 2.0, 127.0, 4.0, 127.0, 5.0, 127.0]);
+            assert_eq!(
+                all(&a)[..2],
+                [1.0, -127.0],
+                "{format:?}: the other holder is untouched"
+            );
+        }
     }
 }

@@ -64,9 +64,31 @@ impl KvBytes {
     }
 }
 
+impl std::iter::Sum for KvBytes {
+    fn sum<I: Iterator<Item = KvBytes>>(iter: I) -> KvBytes {
+        iter.fold(KvBytes::default(), |acc, b| KvBytes {
+            hot: acc.hot + b.hot,
+            cold: acc.cold + b.cold,
+        })
+    }
+}
+
 /// Keys and values `(rows, d)` a query reads: borrowed rows, or rows decoded from a
 /// quantized store or with a cold tier decoded after them.
 pub type Readable<'a> = (Cow<'a, [f32]>, Cow<'a, [f32]>);
+
+/// Keys or values `(rows, d)` in two parts, one after the other: rows shared with other
+/// caches (a prompt prefix, [`HeadStore::share`]) and the store's own, each borrowed
+/// where stored as f32.
+pub(crate) type Parts<'a> = [Cow<'a, [f32]>; 2];
+
+/// `parts` as one run of rows (borrowed when one part is empty).
+fn joined(parts: Parts<'_>) -> Cow<'_, [f32]> {
+    match parts {
+        [first, rest] if first.is_empty() => rest,
+        [first, rest] => Cow::Owned([&first[..], &rest[..]].concat()),
+    }
+}
 
 /// The stored rows of one KV head.
 #[derive(Debug, Clone)]
@@ -214,19 +236,51 @@ impl HeadStore {
     }
 
     /// Keys and values `(rows, d)` a query may read, given `len` stored positions: the
-    /// filled rows (borrowed), and for an active tiered head also its cold middle,
-    /// dequantized after them.
-    pub(crate) fn readable(&self, len: usize, active: bool) -> Readable<'_> {
+    /// filled rows (borrowed where stored as f32, in place where shared), and for an
+    /// active tiered head also its cold middle, dequantized after them.
+    pub(crate) fn parts(&self, len: usize, active: bool) -> (Parts<'_>, Parts<'_>) {
         let middle = self.cold_middle(len, active);
         let (keys, values) = (self.keys.as_f32(), self.values.as_f32());
         match &self.cold {
             Some((ck, cv)) if !middle.is_empty() => {
-                let (mut keys, mut values) = (keys.into_owned(), values.into_owned());
+                let (mut keys, mut values) = (keys.concat(), values.concat());
                 ck.read(middle.clone(), &mut keys);
                 cv.read(middle, &mut values);
-                (Cow::Owned(keys), Cow::Owned(values))
+                let none = || Cow::Borrowed(&[][..]);
+                ([Cow::Owned(keys), none()], [Cow::Owned(values), none()])
             }
             _ => (keys, values),
+        }
+    }
+
+    /// [`HeadStore::parts`] as one run of keys and one of values.
+    pub(crate) fn readable(&self, len: usize, active: bool) -> Readable<'_> {
+        let (keys, values) = self.parts(len, active);
+        (joined(keys), joined(values))
+    }
+
+    /// Share the rows that are only ever appended to (a full store's, a tiered head's
+    /// cold tier), so that clones read them in place: a prompt prefix continued by
+    /// other sequences. A ring's rows are rewritten as it turns, so clones copy them.
+    pub(crate) fn share(&mut self) {
+        if self.retention == Retention::Full && self.kept.is_none() {
+            self.keys.share();
+            self.values.share();
+        }
+        if let Some((k, v)) = &mut self.cold {
+            k.share();
+            v.share();
+        }
+    }
+
+    /// Bytes of [`HeadStore::bytes`] shared with another holder.
+    pub(crate) fn shared_bytes(&self) -> KvBytes {
+        KvBytes {
+            hot: self.keys.shared_bytes() + self.values.shared_bytes(),
+            cold: self
+                .cold
+                .as_ref()
+                .map_or(0, |(k, v)| k.shared_bytes() + v.shared_bytes()),
         }
     }
 
@@ -268,6 +322,7 @@ impl HeadStore {
         Ok(())
     }
 
+    /// Bytes allocated, shared rows included.
     pub(crate) fn bytes(&self) -> KvBytes {
         KvBytes {
             hot: self.keys.bytes() + self.values.bytes(),
@@ -326,5 +381,45 @@ mod tests {
         let mut ring = store(Retention::Stream { sink: 1, window: 2 });
         ring.push(0, &[0.0, 0.0], &[0.0, 0.0]);
         assert!(ring.keep(&[0], 0).is_err());
+    }
+
+    #[test]
+    fn full_stores_and_cold_tiers_are_shared_and_rings_are_copied() {
+        let ring = Retention::Stream { sink: 1, window: 2 };
+        let tiered = Retention::Tiered {
+            sink: 1,
+            window: 2,
+            cold: RowFormat::F16,
+        };
+        for retention in [Retention::Full, ring, tiered] {
+            // Key (position, holder): both holders wrote positions 0-4 as holder 1.
+            let mut a = store(retention);
+            for pos in 0..5 {
+                a.push(pos, &[pos as f32, 1.0], &[1.0, pos as f32]);
+            }
+            a.share();
+            let mut b = a.clone();
+            let shared = a.shared_bytes();
+            assert_eq!(
+                shared.hot > 0,
+                retention == Retention::Full,
+                "{retention:?}"
+            );
+            assert_eq!(shared.cold > 0, retention == tiered, "{retention:?}");
+            for pos in 5..8 {
+                a.push(pos, &[pos as f32, 1.0], &[1.0, pos as f32]);
+                b.push(pos, &[pos as f32, 2.0], &[2.0, pos as f32]);
+            }
+            for (holder, s) in [(1.0, &a), (2.0, &b)] {
+                let (keys, values) = s.readable(8, true);
+                let positions = s.readable_positions(8, true);
+                assert_eq!(keys.len(), 2 * positions.len());
+                for (i, &p) in positions.iter().enumerate() {
+                    let who = if p < 5 { 1.0 } else { holder };
+                    assert_eq!(keys[2 * i..2 * i + 2], [p as f32, who], "{retention:?}");
+                    assert_eq!(values[2 * i..2 * i + 2], [who, p as f32], "{retention:?}");
+                }
+            }
+        }
     }
 }
