@@ -135,7 +135,7 @@ pub(super) mod x86 {
     /// `s` bytes (pair sums in i16 first: no saturation for values within 127).
     #[inline]
     #[target_feature(enable = "avx2")]
-    fn dot_avx2(u: __m256i, s: __m256i) -> __m256i {
+    pub(in crate::model::numerics::kernels) fn dot_avx2(u: __m256i, s: __m256i) -> __m256i {
         _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))
     }
 
@@ -149,7 +149,7 @@ pub(super) mod x86 {
     /// The same lanes with one VEX-encoded `vpdpbusd` (AVX-VNNI).
     #[inline]
     #[target_feature(enable = "avxvnni")]
-    fn dot_avxvnni(u: __m256i, s: __m256i) -> __m256i {
+    pub(in crate::model::numerics::kernels) fn dot_avxvnni(u: __m256i, s: __m256i) -> __m256i {
         _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s)
     }
 

@@ -19,7 +19,7 @@ use rayon::prelude::*;
 use super::blocks::{q4_k_to_q4_1, q5_0_to_q8_0, quantize_q8_0, Activations, Format, QK};
 use super::dot::{weight_row, Supported};
 use super::isa::Isa;
-use super::panel::{self, Panel, PANEL};
+use super::panel::{self, Panel};
 
 /// Activation rows from which a product goes through dequantized tiles and `gemm`.
 pub const TILED_MIN_ROWS: usize = 8;
@@ -166,6 +166,18 @@ impl BlockMatrix {
     ///
     /// Panics if `x` is not `n * cols` long.
     pub fn quantized_product(&self, x: &[f32], n: usize, isa: Isa) -> Vec<f32> {
+        self.product(x, n, isa, true)
+    }
+
+    /// [`BlockMatrix::quantized_product`] without the panel kernels: each weight row
+    /// against groups of up to four activation rows, as before panels existed. The
+    /// same floats; for measuring what the panels buy (`headwise bench kernels`).
+    pub fn grouped_product(&self, x: &[f32], n: usize, isa: Isa) -> Vec<f32> {
+        self.product(x, n, isa, false)
+    }
+
+    /// The product, with panels where `panels` and the instruction set has them.
+    fn product(&self, x: &[f32], n: usize, isa: Isa, panels: bool) -> Vec<f32> {
         assert_eq!(x.len(), n * self.cols, "activations do not fit the matrix");
         let isa = Supported::new(isa);
         let acts: Vec<Activations> = x
@@ -178,10 +190,12 @@ impl BlockMatrix {
         if n == 0 {
             return y;
         }
-        // Several rows on AVX-512 VNNI: panels of up to 16 rows, each weight row read
-        // once per panel (one row keeps the one-row kernel, tuned for decode latency).
-        let panels: Vec<Panel> = if n > 1 && panel::runs(isa, self.format) {
-            refs.chunks(PANEL).map(Panel::new).collect()
+        // Several rows: panels (16 rows on AVX-512 VNNI, 6 on AVX-VNNI and AVX2), each
+        // weight row read once per panel (one row keeps the one-row kernel, tuned for
+        // decode latency).
+        let per_panel = panel::rows(isa);
+        let panels: Vec<Panel> = if panels && n > 1 && panel::runs(isa, self.format) {
+            refs.chunks(per_panel).map(Panel::new).collect()
         } else {
             Vec::new()
         };
@@ -197,7 +211,7 @@ impl BlockMatrix {
                             group(isa, self.format, xs, w, os);
                         }
                     } else {
-                        for (p, os) in panels.iter().zip(o.chunks_mut(PANEL)) {
+                        for (p, os) in panels.iter().zip(o.chunks_mut(per_panel)) {
                             panel::weight_row(isa, self.format, p, w, os);
                         }
                     }
@@ -416,19 +430,24 @@ mod tests {
             // 3 and 18 blocks per row: odd and even counts for the two accumulators.
             for (rows, cols) in [(70, 96), (9, 576)] {
                 let m = random_blocks(format, rows, cols, 11 + cols as u32);
-                // 5 rows: groups of four; 17: a full panel of 16 and one more
+                // 5 rows: one panel (Q5_0: groups of four); 17: panels of 16 and 1 on
+                // AVX-512 VNNI, of 6, 6 and 5 on AVX-VNNI and AVX2
                 for n in [5, 17] {
                     let mut x = floats(n * cols, 5, 40.0);
                     x[3] = 1e4; // one block whose other codes round to zero
                     let reference = m.quantized_product(&x, n, Isa::Portable);
                     for isa in Isa::available() {
-                        let got = m.quantized_product(&x, n, isa);
-                        assert!(
-                            got.iter()
-                                .zip(&reference)
-                                .all(|(a, b)| a.to_bits() == b.to_bits()),
-                            "{format:?} {rows}x{cols}, {n} rows: {isa} differs from the portable loop"
-                        );
+                        for got in [
+                            m.quantized_product(&x, n, isa),
+                            m.grouped_product(&x, n, isa),
+                        ] {
+                            assert!(
+                                got.iter()
+                                    .zip(&reference)
+                                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                                "{format:?} {rows}x{cols}, {n} rows: {isa} differs from the portable loop"
+                            );
+                        }
                     }
                 }
             }
@@ -437,8 +456,8 @@ mod tests {
 
     #[test]
     fn a_row_gives_the_same_bits_in_any_batch() {
-        // up to 33 rows: groups of 4 and panels of 16 with remainders, beyond the tiled
-        // threshold
+        // up to 33 rows: groups of 4 (Q5_0) and panels of 16 or 6 with remainders,
+        // beyond the tiled threshold
         let (rows, cols, n) = (33, 64, 33);
         for format in Format::ALL {
             let m = random_blocks(format, rows, cols, 3);

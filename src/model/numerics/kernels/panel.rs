@@ -1,16 +1,19 @@
-//! Panels for batches: one weight row against up to [`PANEL`] activation rows in one
-//! pass on AVX-512 VNNI, so each pair of weight blocks is unpacked once for all of them
-//! and every row costs four vector instructions per pair (integer dot product,
-//! conversion, scale, fused multiply-add) instead of about a dozen in
-//! [`super::dot`]'s kernels, which rebuild each row's scales from scalars.
+//! Panels for batches: one weight row against several activation rows in one pass, so
+//! each weight block is unpacked once for all of them and every row costs a few vector
+//! instructions per block (integer dot product, conversion, scale, fused multiply-add)
+//! instead of about a dozen in [`super::dot`]'s kernels, which rebuild each row's scales
+//! from scalars. AVX-512 VNNI takes up to 16 rows, a pair of blocks per 512-bit register;
+//! AVX-VNNI and AVX2 (the same loop, `vpdpbusd` or `vpmaddubsw` + `vpmaddwd`) take up to
+//! [`PANEL_256`] rows, one block per 256-bit register, as many as their two accumulators
+//! per row leave registers for.
 //!
 //! The floats are [`super::dot`]'s, lane for lane: every row keeps its own even- and
-//! odd-block accumulators (the two halves of one 512-bit register) and sees the same
-//! fused multiply-adds in the same order; its scale `d_w * d_x` is the same product
-//! (the activation row's pair of `d_x` is laid out once per panel as a vector and
-//! multiplied by the weight's pair of `d_w`); Q4_1's offset `sum_b m_w * (d_x sum q_x)`
-//! is summed block after block as there, one lane per row. So a row's result does not
-//! depend on the batch it runs in or on which kernel computed it.
+//! odd-block accumulators (the two halves of one 512-bit register, or two 256-bit ones)
+//! and sees the same fused multiply-adds in the same order; its scale `d_w * d_x` is the
+//! same product (the activation row's `d_x` is laid out once per panel as a vector and
+//! multiplied by the weight's `d_w`); Q4_1's offset `sum_b m_w * (d_x sum q_x)` is summed
+//! block after block as there, one lane per row. So a row's result does not depend on
+//! the batch it runs in or on which kernel computed it.
 
 use super::blocks::{Activations, Format};
 use super::dot::Supported;
@@ -19,11 +22,16 @@ use super::isa::Isa;
 /// Most activation rows of one panel (one 512-bit lane each for Q4_1's offsets).
 pub(super) const PANEL: usize = 16;
 
+/// Most activation rows of a 256-bit panel: two accumulators per row, and registers
+/// left for the weight block, its scale and the offsets.
+pub(super) const PANEL_256: usize = 6;
+
 /// At most [`PANEL`] activation rows laid out for the panel kernels.
 pub(super) struct Panel<'a> {
     rows: &'a [&'a Activations],
-    /// Owned here, read through `scales`: row `r`, block pair `p` at `r * pairs + p`:
-    /// `d_x` of block `2p` in lanes 0-7 and of block `2p + 1` in lanes 8-15.
+    /// Owned here, read through `scales`: row `r`, block pair `p` at `r * pairs + p`
+    /// (`pairs` = blocks / 2 rounded up): `d_x` of block `2p` in lanes 0-7 and of block
+    /// `2p + 1` in lanes 8-15 (zero past the last block).
     _pair_scales: Vec<[f32; 16]>,
     /// Block `b`: lane `r` is row `r`'s `d_x * sum(q_x)`, zero past the last row.
     sums: Vec<[f32; PANEL]>,
@@ -52,11 +60,12 @@ impl<'a> Panel<'a> {
             rows.iter().all(|r| r.blocks() == blocks),
             "panel rows differ in length"
         );
-        let pairs = blocks / 2;
+        let pairs = blocks.div_ceil(2);
         let mut pair_scales = Vec::with_capacity(rows.len() * pairs);
         for row in rows {
             for p in 0..pairs {
-                let (even, odd) = (row.scales[2 * p][0], row.scales[2 * p + 1][0]);
+                let even = row.scales[2 * p][0];
+                let odd = row.scales.get(2 * p + 1).map_or(0.0, |s| s[0]);
                 pair_scales.push(std::array::from_fn(|l| if l < 8 { even } else { odd }));
             }
         }
@@ -92,9 +101,18 @@ impl<'a> Panel<'a> {
     }
 }
 
-/// Whether [`weight_row`] runs `format` on `isa`: AVX-512 VNNI, Q4_1 and Q8_0.
+/// Whether [`weight_row`] runs `format` on `isa`: Q4_1 and Q8_0 on AVX2, AVX-VNNI and
+/// AVX-512 VNNI.
 pub(super) fn runs(isa: Supported, format: Format) -> bool {
-    isa.isa() == Isa::Avx512Vnni && matches!(format, Format::Q4_1 | Format::Q8_0)
+    isa.isa() != Isa::Portable && matches!(format, Format::Q4_1 | Format::Q8_0)
+}
+
+/// Most rows of one panel on `isa`.
+pub(super) fn rows(isa: Supported) -> usize {
+    match isa.isa() {
+        Isa::Avx512Vnni => PANEL,
+        _ => PANEL_256,
+    }
 }
 
 /// `out[r] = sum over blocks of row `w` (`format`) times `panel`'s row `r`.
@@ -108,6 +126,12 @@ pub(super) fn weight_row(isa: Supported, format: Format, panel: &Panel, w: &[u8]
         isa.isa()
     );
     assert_eq!(out.len(), panel.rows.len(), "one result per panel row");
+    assert!(
+        out.len() <= rows(isa),
+        "at most {} rows on {}",
+        rows(isa),
+        isa.isa()
+    );
     assert_eq!(
         w.len(),
         panel.blocks() * format.block_bytes(),
@@ -116,20 +140,27 @@ pub(super) fn weight_row(isa: Supported, format: Format, panel: &Panel, w: &[u8]
     #[cfg(target_arch = "x86_64")]
     {
         macro_rules! dispatch {
-            ($($n:literal)*) => {
-                match (out.len(), format) {
-                    // SAFETY (all): `runs` checked that the CPU has AVX-512 VNNI (with BW,
-                    // VL, F, AVX2, FMA, F16C: `Isa::Avx512Vnni::supported`), and the
-                    // lengths were checked above.
+            ($($n:literal)*; $($m:literal)*) => {
+                match (isa.isa(), out.len(), format) {
+                    // SAFETY (all): `runs` checked that the CPU has the instruction set
+                    // (`Supported`; AVX-512 VNNI with BW, VL, F, AVX2, FMA, F16C, and
+                    // AVX-VNNI with AVX2, FMA, F16C: `Isa::supported`), and the lengths
+                    // and the row count were checked above.
                     $(
-                        ($n, Format::Q4_1) => out.copy_from_slice(&unsafe { x86::q4_1::<$n>(panel, w) }),
-                        ($n, Format::Q8_0) => out.copy_from_slice(&unsafe { x86::q8_0::<$n>(panel, w) }),
+                        (Isa::Avx512Vnni, $n, Format::Q4_1) => out.copy_from_slice(&unsafe { x86::q4_1::<$n>(panel, w) }),
+                        (Isa::Avx512Vnni, $n, Format::Q8_0) => out.copy_from_slice(&unsafe { x86::q8_0::<$n>(panel, w) }),
+                    )*
+                    $(
+                        (Isa::AvxVnni, $m, Format::Q4_1) => out.copy_from_slice(&unsafe { x86::q4_1_avxvnni::<$m>(panel, w) }),
+                        (Isa::AvxVnni, $m, Format::Q8_0) => out.copy_from_slice(&unsafe { x86::q8_0_avxvnni::<$m>(panel, w) }),
+                        (Isa::Avx2, $m, Format::Q4_1) => out.copy_from_slice(&unsafe { x86::q4_1_avx2::<$m>(panel, w) }),
+                        (Isa::Avx2, $m, Format::Q8_0) => out.copy_from_slice(&unsafe { x86::q8_0_avx2::<$m>(panel, w) }),
                     )*
                     _ => unreachable!("checked above"),
                 }
             };
         }
-        dispatch!(1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16);
+        dispatch!(1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16; 1 2 3 4 5 6);
     }
     #[cfg(not(target_arch = "x86_64"))]
     unreachable!("no panel kernel off x86-64");
@@ -141,7 +172,7 @@ mod x86 {
 
     use super::super::blocks::QK;
     use super::super::dot::x86::{
-        dot_vnni, halves, hsum, join_ps, q4_1_nibbles as nibbles, q8_0_pair,
+        dot_avx2, dot_avxvnni, dot_vnni, halves, hsum, join_ps, q4_1_nibbles as nibbles, q8_0_pair,
     };
     use super::super::PREFETCH_BYTES as PREFETCH;
     use super::Panel;
@@ -245,4 +276,97 @@ mod x86 {
             hsum(_mm256_add_ps(even, odd))
         })
     }
+
+    /// The 256-bit panels of one instruction set: `$dot` sums four adjacent products of
+    /// unsigned and signed bytes into each of eight i32 lanes. Blocks go in pairs, so
+    /// that the even and odd accumulators are named, not indexed (kept in registers).
+    macro_rules! panels_256 {
+        ($q4_1:ident, $q8_0:ident, $features:literal, $dot:ident) => {
+            /// Q4_1 row `w` against the panel's `N` rows (`N` <= [`PANEL_256`]).
+            #[target_feature(enable = $features)]
+            pub(super) unsafe fn $q4_1<const N: usize>(panel: &Panel, w: &[u8]) -> [f32; N] {
+                let nb = panel.blocks();
+                let (qs, dxs) = panel.pointers::<N>();
+                let mut even = [_mm256_setzero_ps(); N];
+                let mut odd = [_mm256_setzero_ps(); N];
+                // Lane r: row r's `sum m_w * d_x * sum(q_x)`, block after block.
+                let mut offsets = _mm256_setzero_ps();
+                macro_rules! block {
+                    ($b:expr, $acc:ident) => {{
+                        let b = $b;
+                        let blk = w.as_ptr().add(b * 20);
+                        _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(PREFETCH) as *const i8);
+                        let wv = nibbles(blk);
+                        let dm =
+                            _mm_cvtph_ps(_mm_cvtsi32_si128((blk as *const i32).read_unaligned()));
+                        let d = _mm256_broadcastss_ps(dm);
+                        let m = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
+                        let sums = _mm256_loadu_ps(panel.sums[b].as_ptr());
+                        offsets = _mm256_add_ps(offsets, _mm256_mul_ps(m, sums));
+                        let half = 16 * (b / 2) + 8 * (b % 2);
+                        for r in 0..N {
+                            let xv = _mm256_loadu_si256(qs[r].add(b * QK) as *const __m256i);
+                            let dot = _mm256_cvtepi32_ps($dot(wv, xv));
+                            let dx = _mm256_loadu_ps(dxs[r].add(half));
+                            $acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, dx), $acc[r]);
+                        }
+                    }};
+                }
+                for p in 0..nb / 2 {
+                    block!(2 * p, even);
+                    block!(2 * p + 1, odd);
+                }
+                if nb % 2 == 1 {
+                    block!(nb - 1, even);
+                }
+                let mut lanes = [0f32; 8];
+                _mm256_storeu_ps(lanes.as_mut_ptr(), offsets);
+                std::array::from_fn(|r| hsum(_mm256_add_ps(even[r], odd[r])) + lanes[r])
+            }
+
+            /// Q8_0 row `w` against the panel's `N` rows (`N` <= [`PANEL_256`]): each
+            /// weight's sign moved onto the activation, as in the one-row kernel.
+            #[target_feature(enable = $features)]
+            pub(super) unsafe fn $q8_0<const N: usize>(panel: &Panel, w: &[u8]) -> [f32; N] {
+                let nb = panel.blocks();
+                let (qs, dxs) = panel.pointers::<N>();
+                let mut even = [_mm256_setzero_ps(); N];
+                let mut odd = [_mm256_setzero_ps(); N];
+                macro_rules! block {
+                    ($b:expr, $acc:ident) => {{
+                        let b = $b;
+                        let blk = w.as_ptr().add(b * 34);
+                        _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(PREFETCH) as *const i8);
+                        let bits = (blk as *const u16).read_unaligned() as i32;
+                        let d = _mm256_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(bits)));
+                        let wv = _mm256_loadu_si256(blk.add(2) as *const __m256i);
+                        let wabs = _mm256_abs_epi8(wv);
+                        let half = 16 * (b / 2) + 8 * (b % 2);
+                        for r in 0..N {
+                            let xv = _mm256_loadu_si256(qs[r].add(b * QK) as *const __m256i);
+                            let dot = _mm256_cvtepi32_ps($dot(wabs, _mm256_sign_epi8(xv, wv)));
+                            let dx = _mm256_loadu_ps(dxs[r].add(half));
+                            $acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, dx), $acc[r]);
+                        }
+                    }};
+                }
+                for p in 0..nb / 2 {
+                    block!(2 * p, even);
+                    block!(2 * p + 1, odd);
+                }
+                if nb % 2 == 1 {
+                    block!(nb - 1, even);
+                }
+                std::array::from_fn(|r| hsum(_mm256_add_ps(even[r], odd[r])))
+            }
+        };
+    }
+
+    panels_256!(q4_1_avx2, q8_0_avx2, "avx2,fma,f16c", dot_avx2);
+    panels_256!(
+        q4_1_avxvnni,
+        q8_0_avxvnni,
+        "avxvnni,avx2,fma,f16c",
+        dot_avxvnni
+    );
 }
