@@ -19,8 +19,9 @@
 //! and then treated as Q8_0's. Every value stays in `[-127, 127]`, so `vpmaddubsw`'s
 //! 16-bit pair sums (at most `2 * 127 * 127`) cannot saturate.
 //!
-//! Q5_0 has an AVX2 kernel only: the VNNI instruction sets run it too (every CPU with
-//! them has AVX2), since no machine here has tested a VNNI version of it.
+//! Q5_0's kernel here is AVX2's on every instruction set (every CPU with VNNI has AVX2);
+//! several rows of it go through [`super::panel`]'s panels, which use VNNI where the CPU
+//! has it.
 
 use half::f16;
 
@@ -262,24 +263,28 @@ pub(super) mod x86 {
         _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select)
     }
 
+    /// A Q5_0 block's 32 codes as the signed bytes `q - 16`.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    pub(in crate::model::numerics::kernels) unsafe fn q5_0_signed(blk: *const u8) -> __m256i {
+        let low = _mm_set1_epi8(0x0F);
+        let high = (blk.add(2) as *const u32).read_unaligned();
+        let packed = _mm_loadu_si128(blk.add(6) as *const __m128i);
+        let lo = _mm_and_si128(packed, low);
+        let hi = _mm_and_si128(_mm_srli_epi16(packed, 4), low);
+        // `q - 16` is the nibble where the fifth bit is set, else the nibble with the
+        // high four bits set (the byte `nibble - 16`).
+        _mm256_or_si256(
+            _mm256_set_m128i(hi, lo),
+            _mm256_andnot_si256(bit_bytes(high), _mm256_set1_epi8(0xF0u8 as i8)),
+        )
+    }
+
     /// Q5_0 row `w` against `R` activation rows: each block's codes unpacked to the signed
     /// bytes `q - 16`, then multiplied as Q8_0's.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn q5_0_avx2<const R: usize>(x: [&Activations; R], w: &[u8]) -> [f32; R] {
-        let low = _mm_set1_epi8(0x0F);
-        let top = _mm256_set1_epi8(0xF0u8 as i8);
-        signed_avx2::<R, 22>(x, w, |blk| {
-            let high = (blk.add(2) as *const u32).read_unaligned();
-            let packed = _mm_loadu_si128(blk.add(6) as *const __m128i);
-            let lo = _mm_and_si128(packed, low);
-            let hi = _mm_and_si128(_mm_srli_epi16(packed, 4), low);
-            // `q - 16` is the nibble where the fifth bit is set, else the nibble with the
-            // high four bits set (the byte `nibble - 16`).
-            _mm256_or_si256(
-                _mm256_set_m128i(hi, lo),
-                _mm256_andnot_si256(bit_bytes(high), top),
-            )
-        })
+        signed_avx2::<R, 22>(x, w, |blk| q5_0_signed(blk))
     }
     kernels!(
         q4_1_avxvnni,

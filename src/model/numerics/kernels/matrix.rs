@@ -190,11 +190,11 @@ impl BlockMatrix {
         if n == 0 {
             return y;
         }
-        // Several rows: panels (16 rows on AVX-512 VNNI, 6 on AVX-VNNI and AVX2), each
+        // Several rows: panels (16 rows of Q4_1 or Q8_0 on AVX-512 VNNI, else 6), each
         // weight row read once per panel (one row keeps the one-row kernel, tuned for
         // decode latency).
-        let per_panel = panel::rows(isa);
-        let panels: Vec<Panel> = if panels && n > 1 && panel::runs(isa, self.format) {
+        let per_panel = panel::rows(isa, self.format);
+        let panels: Vec<Panel> = if panels && n > 1 && panel::runs(isa) {
             refs.chunks(per_panel).map(Panel::new).collect()
         } else {
             Vec::new()

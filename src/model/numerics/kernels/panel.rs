@@ -2,10 +2,12 @@
 //! each weight block is unpacked once for all of them and every row costs a few vector
 //! instructions per block (integer dot product, conversion, scale, fused multiply-add)
 //! instead of about a dozen in [`super::dot`]'s kernels, which rebuild each row's scales
-//! from scalars. AVX-512 VNNI takes up to 16 rows, a pair of blocks per 512-bit register;
-//! AVX-VNNI and AVX2 (the same loop, `vpdpbusd` or `vpmaddubsw` + `vpmaddwd`) take up to
-//! [`PANEL_256`] rows, one block per 256-bit register, as many as their two accumulators
-//! per row leave registers for.
+//! from scalars. AVX-512 VNNI takes up to 16 rows of Q4_1 or Q8_0, a pair of blocks per
+//! 512-bit register; AVX-VNNI and AVX2 (the same loop, `vpdpbusd` or `vpmaddubsw` +
+//! `vpmaddwd`) take up to [`PANEL_256`] rows, one block per 256-bit register, as many as
+//! their two accumulators per row leave registers for, and so does Q5_0 on every one of
+//! them (on AVX-512 VNNI with the 256-bit `vpdpbusd`), its codes unpacked to `q - 16`
+//! and multiplied as Q8_0's.
 //!
 //! The floats are [`super::dot`]'s, lane for lane: every row keeps its own even- and
 //! odd-block accumulators (the two halves of one 512-bit register, or two 256-bit ones)
@@ -101,16 +103,15 @@ impl<'a> Panel<'a> {
     }
 }
 
-/// Whether [`weight_row`] runs `format` on `isa`: Q4_1 and Q8_0 on AVX2, AVX-VNNI and
-/// AVX-512 VNNI.
-pub(super) fn runs(isa: Supported, format: Format) -> bool {
-    isa.isa() != Isa::Portable && matches!(format, Format::Q4_1 | Format::Q8_0)
+/// Whether [`weight_row`] runs on `isa`: AVX2, AVX-VNNI and AVX-512 VNNI, every format.
+pub(super) fn runs(isa: Supported) -> bool {
+    isa.isa() != Isa::Portable
 }
 
-/// Most rows of one panel on `isa`.
-pub(super) fn rows(isa: Supported) -> usize {
-    match isa.isa() {
-        Isa::Avx512Vnni => PANEL,
+/// Most rows of one panel of `format` on `isa`.
+pub(super) fn rows(isa: Supported, format: Format) -> usize {
+    match (isa.isa(), format) {
+        (Isa::Avx512Vnni, Format::Q4_1 | Format::Q8_0) => PANEL,
         _ => PANEL_256,
     }
 }
@@ -120,18 +121,10 @@ pub(super) fn rows(isa: Supported) -> usize {
 /// Panics unless [`runs`] holds, `out` has one place per row, and `w` is one row of
 /// `panel`'s length.
 pub(super) fn weight_row(isa: Supported, format: Format, panel: &Panel, w: &[u8], out: &mut [f32]) {
-    assert!(
-        runs(isa, format),
-        "no panel kernel for {format:?} on {}",
-        isa.isa()
-    );
+    assert!(runs(isa), "no panel kernel for {format:?} on {}", isa.isa());
     assert_eq!(out.len(), panel.rows.len(), "one result per panel row");
-    assert!(
-        out.len() <= rows(isa),
-        "at most {} rows on {}",
-        rows(isa),
-        isa.isa()
-    );
+    let most = rows(isa, format);
+    assert!(out.len() <= most, "at most {most} rows on {}", isa.isa());
     assert_eq!(
         w.len(),
         panel.blocks() * format.block_bytes(),
@@ -155,6 +148,9 @@ pub(super) fn weight_row(isa: Supported, format: Format, panel: &Panel, w: &[u8]
                         (Isa::AvxVnni, $m, Format::Q8_0) => out.copy_from_slice(&unsafe { x86::q8_0_avxvnni::<$m>(panel, w) }),
                         (Isa::Avx2, $m, Format::Q4_1) => out.copy_from_slice(&unsafe { x86::q4_1_avx2::<$m>(panel, w) }),
                         (Isa::Avx2, $m, Format::Q8_0) => out.copy_from_slice(&unsafe { x86::q8_0_avx2::<$m>(panel, w) }),
+                        (Isa::Avx512Vnni, $m, Format::Q5_0) => out.copy_from_slice(&unsafe { x86::q5_0_vnni::<$m>(panel, w) }),
+                        (Isa::AvxVnni, $m, Format::Q5_0) => out.copy_from_slice(&unsafe { x86::q5_0_avxvnni::<$m>(panel, w) }),
+                        (Isa::Avx2, $m, Format::Q5_0) => out.copy_from_slice(&unsafe { x86::q5_0_avx2::<$m>(panel, w) }),
                     )*
                     _ => unreachable!("checked above"),
                 }
@@ -172,7 +168,8 @@ mod x86 {
 
     use super::super::blocks::QK;
     use super::super::dot::x86::{
-        dot_avx2, dot_avxvnni, dot_vnni, halves, hsum, join_ps, q4_1_nibbles as nibbles, q8_0_pair,
+        dot_avx2, dot_avxvnni, dot_vnni, halves, hsum, join_ps, q4_1_nibbles as nibbles,
+        q5_0_signed, q8_0_pair,
     };
     use super::super::PREFETCH_BYTES as PREFETCH;
     use super::Panel;
@@ -277,11 +274,51 @@ mod x86 {
         })
     }
 
+    /// The body of a 256-bit panel over signed codes (Q8_0, Q5_0) of `$bytes`-byte
+    /// blocks whose first two bytes are the f16 scale: `$codes(block)` gives the 32
+    /// signed codes, each weight's sign is moved onto the activation, and blocks go in
+    /// pairs so that the even and odd accumulators are named, not indexed.
+    macro_rules! signed_256 {
+        ($panel:ident, $w:ident, $n:ident, $bytes:literal, $dot:ident, $codes:expr) => {{
+            let codes = $codes;
+            let nb = $panel.blocks();
+            let (qs, dxs) = $panel.pointers::<$n>();
+            let mut even = [_mm256_setzero_ps(); $n];
+            let mut odd = [_mm256_setzero_ps(); $n];
+            macro_rules! block {
+                ($b:expr, $acc:ident) => {{
+                    let b = $b;
+                    let blk = $w.as_ptr().add(b * $bytes);
+                    _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(PREFETCH) as *const i8);
+                    let bits = (blk as *const u16).read_unaligned() as i32;
+                    let d = _mm256_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(bits)));
+                    let wv = codes(blk);
+                    let wabs = _mm256_abs_epi8(wv);
+                    let half = 16 * (b / 2) + 8 * (b % 2);
+                    for r in 0..$n {
+                        let xv = _mm256_loadu_si256(qs[r].add(b * QK) as *const __m256i);
+                        let dot = _mm256_cvtepi32_ps($dot(wabs, _mm256_sign_epi8(xv, wv)));
+                        let dx = _mm256_loadu_ps(dxs[r].add(half));
+                        $acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, dx), $acc[r]);
+                    }
+                }};
+            }
+            for p in 0..nb / 2 {
+                block!(2 * p, even);
+                block!(2 * p + 1, odd);
+            }
+            if nb % 2 == 1 {
+                block!(nb - 1, even);
+            }
+            std::array::from_fn(|r| hsum(_mm256_add_ps(even[r], odd[r])))
+        }};
+    }
+
     /// The 256-bit panels of one instruction set: `$dot` sums four adjacent products of
     /// unsigned and signed bytes into each of eight i32 lanes. Blocks go in pairs, so
     /// that the even and odd accumulators are named, not indexed (kept in registers).
     macro_rules! panels_256 {
-        ($q4_1:ident, $q8_0:ident, $features:literal, $dot:ident) => {
+        ($q4_1:ident, $q8_0:ident, $q5_0:ident, $features:literal, $dot:ident) => {
             /// Q4_1 row `w` against the panel's `N` rows (`N` <= [`PANEL_256`]).
             #[target_feature(enable = $features)]
             pub(super) unsafe fn $q4_1<const N: usize>(panel: &Panel, w: &[u8]) -> [f32; N] {
@@ -328,45 +365,33 @@ mod x86 {
             /// weight's sign moved onto the activation, as in the one-row kernel.
             #[target_feature(enable = $features)]
             pub(super) unsafe fn $q8_0<const N: usize>(panel: &Panel, w: &[u8]) -> [f32; N] {
-                let nb = panel.blocks();
-                let (qs, dxs) = panel.pointers::<N>();
-                let mut even = [_mm256_setzero_ps(); N];
-                let mut odd = [_mm256_setzero_ps(); N];
-                macro_rules! block {
-                    ($b:expr, $acc:ident) => {{
-                        let b = $b;
-                        let blk = w.as_ptr().add(b * 34);
-                        _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(PREFETCH) as *const i8);
-                        let bits = (blk as *const u16).read_unaligned() as i32;
-                        let d = _mm256_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(bits)));
-                        let wv = _mm256_loadu_si256(blk.add(2) as *const __m256i);
-                        let wabs = _mm256_abs_epi8(wv);
-                        let half = 16 * (b / 2) + 8 * (b % 2);
-                        for r in 0..N {
-                            let xv = _mm256_loadu_si256(qs[r].add(b * QK) as *const __m256i);
-                            let dot = _mm256_cvtepi32_ps($dot(wabs, _mm256_sign_epi8(xv, wv)));
-                            let dx = _mm256_loadu_ps(dxs[r].add(half));
-                            $acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, dx), $acc[r]);
-                        }
-                    }};
-                }
-                for p in 0..nb / 2 {
-                    block!(2 * p, even);
-                    block!(2 * p + 1, odd);
-                }
-                if nb % 2 == 1 {
-                    block!(nb - 1, even);
-                }
-                std::array::from_fn(|r| hsum(_mm256_add_ps(even[r], odd[r])))
+                signed_256!(panel, w, N, 34, $dot, |blk: *const u8| _mm256_loadu_si256(
+                    blk.add(2) as *const __m256i
+                ))
+            }
+
+            /// Q5_0 row `w` against the panel's `N` rows (`N` <= [`PANEL_256`]): the
+            /// codes unpacked to `q - 16`, then as Q8_0's.
+            #[target_feature(enable = $features)]
+            pub(super) unsafe fn $q5_0<const N: usize>(panel: &Panel, w: &[u8]) -> [f32; N] {
+                signed_256!(panel, w, N, 22, $dot, |blk: *const u8| q5_0_signed(blk))
             }
         };
     }
 
-    panels_256!(q4_1_avx2, q8_0_avx2, "avx2,fma,f16c", dot_avx2);
+    panels_256!(q4_1_avx2, q8_0_avx2, q5_0_avx2, "avx2,fma,f16c", dot_avx2);
     panels_256!(
         q4_1_avxvnni,
         q8_0_avxvnni,
+        q5_0_avxvnni,
         "avxvnni,avx2,fma,f16c",
         dot_avxvnni
     );
+
+    /// Q5_0 on AVX-512 VNNI: the 256-bit panel with its 256-bit `vpdpbusd` (Q5_0's
+    /// blocks are not paired into 512-bit registers).
+    #[target_feature(enable = "avx512vnni,avx512vl,avx512bw,avx512f,avx2,fma,f16c")]
+    pub(super) unsafe fn q5_0_vnni<const N: usize>(panel: &Panel, w: &[u8]) -> [f32; N] {
+        signed_256!(panel, w, N, 22, dot_vnni, |blk: *const u8| q5_0_signed(blk))
+    }
 }
