@@ -19,9 +19,8 @@
 //! and then treated as Q8_0's. Every value stays in `[-127, 127]`, so `vpmaddubsw`'s
 //! 16-bit pair sums (at most `2 * 127 * 127`) cannot saturate.
 //!
-//! Q5_0's kernel here is AVX2's on every instruction set (every CPU with VNNI has AVX2);
-//! several rows of it go through [`super::panel`]'s panels, which use VNNI where the CPU
-//! has it.
+//! Q5_0 runs one block per 256-bit register on every instruction set, AVX-512 VNNI
+//! included (its 256-bit `vpdpbusd`): its blocks are not paired as Q4_1's and Q8_0's are.
 
 use half::f16;
 
@@ -62,7 +61,7 @@ pub(super) fn weight_row<const R: usize>(
     }
     match (isa.0, format) {
         (Isa::Portable, _) => std::array::from_fn(|r| portable(format, x[r], w)),
-        // SAFETY (all seven): `Supported` checked that the CPU has the features the
+        // SAFETY (all nine): `Supported` checked that the CPU has the features the
         // function enables (every `Isa` past `Portable` includes AVX2, FMA and F16C), and
         // the lengths were checked above.
         #[cfg(target_arch = "x86_64")]
@@ -70,9 +69,11 @@ pub(super) fn weight_row<const R: usize>(
         #[cfg(target_arch = "x86_64")]
         (Isa::Avx2, Format::Q8_0) => unsafe { x86::q8_0_avx2(x, w) },
         #[cfg(target_arch = "x86_64")]
-        (Isa::Avx2 | Isa::AvxVnni | Isa::Avx512Vnni, Format::Q5_0) => unsafe {
-            x86::q5_0_avx2(x, w)
-        },
+        (Isa::Avx2, Format::Q5_0) => unsafe { x86::q5_0_avx2(x, w) },
+        #[cfg(target_arch = "x86_64")]
+        (Isa::AvxVnni, Format::Q5_0) => unsafe { x86::q5_0_avxvnni(x, w) },
+        #[cfg(target_arch = "x86_64")]
+        (Isa::Avx512Vnni, Format::Q5_0) => unsafe { x86::q5_0_vnni(x, w) },
         #[cfg(target_arch = "x86_64")]
         (Isa::AvxVnni, Format::Q4_1) => unsafe { x86::q4_1_avxvnni(x, w) },
         #[cfg(target_arch = "x86_64")]
@@ -163,6 +164,43 @@ pub(super) mod x86 {
         _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)))
     }
 
+    /// One instruction set's kernel over blocks of signed codes (Q8_0, Q5_0): `$dot` sums
+    /// four adjacent products of unsigned and signed bytes into each of eight i32 lanes.
+    macro_rules! signed {
+        ($signed:ident, $features:literal, $dot:ident) => {
+            /// Row `w` of blocks of `BYTES` bytes, each an f16 `d` and 32 signed codes
+            /// that `codes` reads from the block's start, against `R` activation rows.
+            #[target_feature(enable = $features)]
+            unsafe fn $signed<const R: usize, const BYTES: usize>(
+                x: [&Activations; R],
+                w: &[u8],
+                codes: impl Fn(*const u8) -> __m256i,
+            ) -> [f32; R] {
+                let mut acc = [[_mm256_setzero_ps(); 2]; R];
+                let nb = x[0].blocks();
+                for b in 0..nb {
+                    let blk = w.as_ptr().add(b * BYTES);
+                    _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(PREFETCH) as *const i8);
+                    let bits = (blk as *const u16).read_unaligned() as i32;
+                    let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits)));
+                    let wv = codes(blk);
+                    let wabs = _mm256_abs_epi8(wv);
+                    for r in 0..R {
+                        let xv = _mm256_loadu_si256(x[r].q.as_ptr().add(b * QK) as *const __m256i);
+                        let dot = _mm256_cvtepi32_ps($dot(wabs, _mm256_sign_epi8(xv, wv)));
+                        let scale = _mm256_set1_ps(d * x[r].scales[b][0]);
+                        acc[r][b % 2] = _mm256_fmadd_ps(dot, scale, acc[r][b % 2]);
+                    }
+                }
+                let mut out = [0f32; R];
+                for r in 0..R {
+                    out[r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
+                }
+                out
+            }
+        };
+    }
+
     /// The Q4_1 and Q8_0 kernels of one instruction set, given its integer dot product,
     /// and the signed-code kernel under the Q8_0 one.
     macro_rules! kernels {
@@ -203,36 +241,7 @@ pub(super) mod x86 {
                 out
             }
 
-            /// Row `w` of blocks of `BYTES` bytes, each an f16 `d` and 32 signed codes
-            /// that `codes` reads from the block's start, against `R` activation rows.
-            #[target_feature(enable = $features)]
-            unsafe fn $signed<const R: usize, const BYTES: usize>(
-                x: [&Activations; R],
-                w: &[u8],
-                codes: impl Fn(*const u8) -> __m256i,
-            ) -> [f32; R] {
-                let mut acc = [[_mm256_setzero_ps(); 2]; R];
-                let nb = x[0].blocks();
-                for b in 0..nb {
-                    let blk = w.as_ptr().add(b * BYTES);
-                    _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(PREFETCH) as *const i8);
-                    let bits = (blk as *const u16).read_unaligned() as i32;
-                    let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits)));
-                    let wv = codes(blk);
-                    let wabs = _mm256_abs_epi8(wv);
-                    for r in 0..R {
-                        let xv = _mm256_loadu_si256(x[r].q.as_ptr().add(b * QK) as *const __m256i);
-                        let dot = _mm256_cvtepi32_ps($dot(wabs, _mm256_sign_epi8(xv, wv)));
-                        let scale = _mm256_set1_ps(d * x[r].scales[b][0]);
-                        acc[r][b % 2] = _mm256_fmadd_ps(dot, scale, acc[r][b % 2]);
-                    }
-                }
-                let mut out = [0f32; R];
-                for r in 0..R {
-                    out[r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
-                }
-                out
-            }
+            signed!($signed, $features, $dot);
 
             /// Q8_0 row `w` against `R` activation rows.
             #[target_feature(enable = $features)]
@@ -293,6 +302,25 @@ pub(super) mod x86 {
         "avxvnni,avx2,fma,f16c",
         dot_avxvnni
     );
+
+    /// Q5_0 row `w` against `R` activation rows on AVX-VNNI.
+    #[target_feature(enable = "avxvnni,avx2,fma,f16c")]
+    pub(super) unsafe fn q5_0_avxvnni<const R: usize>(x: [&Activations; R], w: &[u8]) -> [f32; R] {
+        signed_avxvnni::<R, 22>(x, w, |blk| q5_0_signed(blk))
+    }
+
+    signed!(
+        signed_vnni256,
+        "avx512vnni,avx512vl,avx2,fma,f16c",
+        dot_vnni
+    );
+
+    /// Q5_0 row `w` against `R` activation rows on AVX-512 VNNI, one block per 256-bit
+    /// register (Q5_0's blocks are not paired).
+    #[target_feature(enable = "avx512vnni,avx512vl,avx2,fma,f16c")]
+    pub(super) unsafe fn q5_0_vnni<const R: usize>(x: [&Activations; R], w: &[u8]) -> [f32; R] {
+        signed_vnni256::<R, 22>(x, w, |blk| q5_0_signed(blk))
+    }
     /// A 512-bit register from two 256-bit halves: `lo` in lanes 0-7, `hi` in 8-15.
     #[inline]
     #[target_feature(enable = "avx512f")]
