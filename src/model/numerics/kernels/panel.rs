@@ -274,6 +274,20 @@ mod x86 {
         })
     }
 
+    /// `$block!(b, $even)` for the even blocks `b` of `0..$nb` and `$block!(b, $odd)` for
+    /// the odd ones, in order: a 256-bit panel's loop over a weight row.
+    macro_rules! in_pairs {
+        ($nb:expr, $block:ident, $even:ident, $odd:ident) => {
+            for p in 0..$nb / 2 {
+                $block!(2 * p, $even);
+                $block!(2 * p + 1, $odd);
+            }
+            if $nb % 2 == 1 {
+                $block!($nb - 1, $even);
+            }
+        };
+    }
+
     /// The body of a 256-bit panel over signed codes (Q8_0, Q5_0) of `$bytes`-byte
     /// blocks whose first two bytes are the f16 scale: `$codes(block)` gives the 32
     /// signed codes, each weight's sign is moved onto the activation, and blocks go in
@@ -303,13 +317,7 @@ mod x86 {
                     }
                 }};
             }
-            for p in 0..nb / 2 {
-                block!(2 * p, even);
-                block!(2 * p + 1, odd);
-            }
-            if nb % 2 == 1 {
-                block!(nb - 1, even);
-            }
+            in_pairs!(nb, block, even, odd);
             std::array::from_fn(|r| hsum(_mm256_add_ps(even[r], odd[r])))
         }};
     }
@@ -349,13 +357,7 @@ mod x86 {
                         }
                     }};
                 }
-                for p in 0..nb / 2 {
-                    block!(2 * p, even);
-                    block!(2 * p + 1, odd);
-                }
-                if nb % 2 == 1 {
-                    block!(nb - 1, even);
-                }
+                in_pairs!(nb, block, even, odd);
                 let mut lanes = [0f32; 8];
                 _mm256_storeu_ps(lanes.as_mut_ptr(), offsets);
                 std::array::from_fn(|r| hsum(_mm256_add_ps(even[r], odd[r])) + lanes[r])
