@@ -1,6 +1,6 @@
 //! Shared prompt prefixes, prefilled and compressed once: a long document asked many
 //! questions is prefilled under a policy once, and later requests under the same policy
-//! whose prompts start with it continue from a copy of its per-head cache.
+//! whose prompts start with it continue from its per-head cache.
 //!
 //! A [`Prefix`] holds a whole number of the model's prefill chunks (a streaming
 //! prefill taken at its deepest multiple of [`prefix_grain`]), so a request continued

@@ -3,9 +3,9 @@
 //!
 //! Fewer than [`TILED_MIN_ROWS`] activation rows (decode, small batches) go through the
 //! integer kernels: each row quantized to 8 bits once, and each weight row streamed once
-//! for up to four activation rows at a time ([`super::dot`]; up to sixteen on AVX-512
-//! VNNI, [`super::panel`]), every row's result the
-//! same as if it were computed alone. More rows (prefill) go through dequantized tiles:
+//! for a panel of activation rows ([`super::panel`]: up to sixteen of Q4_1 or Q8_0 on
+//! AVX-512 VNNI, else six; one row alone goes to [`super::dot`]'s kernels), every row's
+//! result the same as if it were computed alone. More rows (prefill) go through dequantized tiles:
 //! a few weight rows at a time are expanded to f32 in a per-thread buffer of about
 //! [`TILE_BYTES`] and multiplied with all activation rows by `gemm`, so the f32 weight
 //! never exists whole and each expanded tile is used while it is in cache. A batch of

@@ -8,8 +8,8 @@
 //! * [`blocks`]: the block layouts, activation rows quantized to 8 bits, dequantization;
 //! * [`dot`]: the block dot products of one weight row against 1-4 activation rows, one
 //!   implementation per instruction set, all computing the same floats;
-//! * [`panel`]: the same floats for up to 16 activation rows per weight row on AVX-512
-//!   VNNI (batches);
+//! * [`panel`]: the same floats for several activation rows per weight row (batches):
+//!   up to 16 on AVX-512 VNNI for Q4_1 and Q8_0, else up to 6;
 //! * [`matrix`]: [`BlockMatrix`], the product of a block matrix with activation rows:
 //!   integer dot products for a few rows (decode, small batches), dequantized weight
 //!   tiles through a cache-sized f32 buffer and `gemm` for many (prefill).
