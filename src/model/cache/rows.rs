@@ -7,7 +7,7 @@
 //! rounded to `x / d`, 34 bytes per 32 values. A row narrower than a block, or not a
 //! multiple of it, ends in a shorter block with its own scale.
 //!
-//! Rows can be shared copy-on-write ([`Rows::share`]): the rows held so far move behind
+//! Rows can be shared copy-on-write (`Rows::share`): the rows held so far move behind
 //! an [`Arc`] that clones of the rows read in place (a prompt prefix prefilled once and
 //! continued by many sequences), and each holder appends rows of its own after them. A
 //! write into a shared row first gives the writer its own copy of them all.
