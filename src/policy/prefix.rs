@@ -78,13 +78,26 @@ impl PrefixCache {
     pub fn lookup(&mut self, policy: &str, prompt: &[u32]) -> Option<Prefix> {
         self.clock += 1;
         let clock = self.clock;
-        let best = self
-            .entries
-            .iter_mut()
-            .filter(|e| e.policy == policy && prompt.starts_with(&e.prefix.tokens))
-            .max_by_key(|e| e.prefix.tokens.len())?;
-        best.last_use = clock;
-        Some(best.prefix.clone())
+        let best = self.best(policy, prompt)?;
+        let entry = &mut self.entries[best];
+        entry.last_use = clock;
+        Some(entry.prefix.clone())
+    }
+
+    /// The prefix [`PrefixCache::lookup`] would return, seen in place (no clone, its use
+    /// not recorded): e.g. to size a request's reservation before it is admitted.
+    pub fn peek(&self, policy: &str, prompt: &[u32]) -> Option<&Prefix> {
+        self.best(policy, prompt).map(|i| &self.entries[i].prefix)
+    }
+
+    /// The entry of the longest prefix of `policy` that `prompt` starts with.
+    fn best(&self, policy: &str, prompt: &[u32]) -> Option<usize> {
+        self.entries
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| e.policy == policy && prompt.starts_with(&e.prefix.tokens))
+            .max_by_key(|(_, e)| e.prefix.tokens.len())
+            .map(|(i, _)| i)
     }
 
     /// Keep `prefix` of `policy`, evicting the least recently used prefixes that no
@@ -209,9 +222,19 @@ mod tests {
         let one = shared(&[1; 8]).bytes();
         let mut cache = PrefixCache::new(one);
         cache.insert("a", shared(&[1; 8]));
+        let peeked = cache
+            .peek("a", &[1; 9])
+            .unwrap()
+            .cache
+            .bytes_behind_shares();
+        assert!(
+            !cache.peek("a", &[1; 9]).unwrap().in_use(),
+            "a peek holds nothing"
+        );
         let reader = cache.lookup("a", &[1; 9]).unwrap();
         // The hit reads the kept rows: nothing of it is its own.
         assert_eq!(reader.cache.shared_bytes(), reader.cache.bytes());
+        assert_eq!(reader.cache.shared_bytes(), peeked);
         // In use: a newer prefix does not evict it, and is not kept.
         cache.insert("a", shared(&[2; 8]));
         assert!(cache.lookup("a", &[2; 9]).is_none());

@@ -353,16 +353,19 @@ fn run(
         while running.len() < cfg.max_batch {
             let Some(front) = waiting.front() else { break };
             // A request that continues a shared prefix reads its rows in place (the
-            // prefix cache holds them): it reserves only what it adds.
-            let prefix = match runtimes.get(&front.policy).map(|rt| rt.plan().prefill) {
-                Some(Prefill::Stream) => {
-                    prefixes.lookup(&front.policy, &front.ids[..front.ids.len() - 1])
-                }
-                _ => None,
+            // prefix cache holds them): it reserves only what it adds. Peeked, so that
+            // a request the budget keeps waiting copies nothing.
+            let streams = |policy: &str| {
+                runtimes
+                    .get(policy)
+                    .is_some_and(|rt| rt.plan().prefill == Prefill::Stream)
             };
-            let shared = prefix
-                .as_ref()
-                .map_or(0, |p| p.cache.shared_bytes().total());
+            let shared = match streams(&front.policy) {
+                true => prefixes
+                    .peek(&front.policy, &front.ids[..front.ids.len() - 1])
+                    .map_or(0, |p| p.cache.bytes_behind_shares().total()),
+                false => 0,
+            };
             let need = front.need.saturating_sub(shared);
             if cfg.kv_budget.is_some_and(|b| reserved + need > b) {
                 break;
@@ -377,6 +380,10 @@ fn run(
                 continue;
             };
             job.sink.admitted();
+            let prefix = match streams(policy) {
+                true => prefixes.lookup(policy, &job.ids[..job.ids.len() - 1]),
+                false => None,
+            };
             if let Some(p) = &prefix {
                 load.prefix_hits.fetch_add(1, Ordering::Relaxed);
                 load.prefix_tokens

@@ -208,6 +208,12 @@ impl HeadCache {
         self.stores.iter().map(HeadStore::shared_bytes).sum()
     }
 
+    /// Of [`HeadCache::bytes`], the rows behind a share ([`HeadCache::share`]), whoever
+    /// else holds them: what a clone of this cache reads in place instead of copying.
+    pub fn bytes_behind_shares(&self) -> KvBytes {
+        self.stores.iter().map(HeadStore::bytes_behind_shares).sum()
+    }
+
     /// Share the positions stored so far copy-on-write: clones of this cache (and this
     /// cache itself) read them in place and append their own positions after them. Full
     /// stores and cold tiers are shared; rings, rewritten as they turn, are copied by

@@ -119,6 +119,25 @@ impl Data {
         }
     }
 
+    /// `parts` one after the other (all of one format, rows of `d` values), with room
+    /// for `room` more rows.
+    fn joined(parts: &[&Data], d: usize, room: usize) -> Self {
+        let rows: usize = parts.iter().map(|p| p.rows(d)).sum();
+        let mut all = Data::new(parts[0].format(), d, rows + room);
+        for part in parts {
+            match (part, &mut all) {
+                (Data::F32(a), Data::F32(b)) => b.extend_from_slice(a),
+                (Data::F16(a), Data::F16(b)) => b.extend_from_slice(a),
+                (Data::Q8 { q, d: s }, Data::Q8 { q: oq, d: os }) => {
+                    oq.extend_from_slice(q);
+                    os.extend_from_slice(s);
+                }
+                _ => unreachable!("rows keep their format"),
+            }
+        }
+        all
+    }
+
     /// Append rows `range` as f32 to `out`.
     fn read(&self, d: usize, range: std::ops::Range<usize>, out: &mut Vec<f32>) {
         match self {
@@ -210,28 +229,21 @@ impl Rows {
             return;
         }
         let room = self.data.capacity(d) - self.data.rows(d);
-        let mut all = Data::new(self.format(), d, self.len());
-        for part in self.shared.iter().map(|s| &**s).chain([&self.data]) {
-            for r in 0..part.rows(d) {
-                all.extend_row(part, r, d);
-            }
-        }
-        self.shared = Some(Arc::new(all));
+        let parts: Vec<&Data> = self
+            .shared
+            .iter()
+            .map(|s| &**s)
+            .chain([&self.data])
+            .collect();
+        self.shared = Some(Arc::new(Data::joined(&parts, d, 0)));
         self.data = Data::new(self.format(), d, room);
     }
 
     /// Own a copy of the shared rows (before a write into one of them).
     fn unshare(&mut self) {
         if let Some(shared) = self.shared.take() {
-            let d = self.d;
-            let own = std::mem::replace(&mut self.data, Data::new(shared.format(), d, 0));
-            let mut all = Data::new(shared.format(), d, shared.rows(d) + own.capacity(d));
-            for part in [&*shared, &own] {
-                for r in 0..part.rows(d) {
-                    all.extend_row(part, r, d);
-                }
-            }
-            self.data = all;
+            let room = self.data.capacity(self.d) - self.data.rows(self.d);
+            self.data = Data::joined(&[&shared, &self.data], self.d, room);
         }
     }
 
@@ -242,6 +254,11 @@ impl Rows {
             .as_ref()
             .filter(|s| Arc::strong_count(s) > 1)
             .map_or(0, |s| s.bytes())
+    }
+
+    /// Bytes of the shared rows, whoever else holds them (what a clone reads in place).
+    pub(crate) fn bytes_behind_share(&self) -> usize {
+        self.shared.as_ref().map_or(0, |s| s.bytes())
     }
 
     /// Write `row` (`d` values) as row `slot`; a slot past the end first grows the rows
@@ -341,7 +358,7 @@ impl Rows {
 
     /// Bytes allocated, shared rows included.
     pub(crate) fn bytes(&self) -> usize {
-        self.shared.as_ref().map_or(0, |s| s.bytes()) + self.data.bytes()
+        self.bytes_behind_share() + self.data.bytes()
     }
 }
 

@@ -275,12 +275,19 @@ impl HeadStore {
 
     /// Bytes of [`HeadStore::bytes`] shared with another holder.
     pub(crate) fn shared_bytes(&self) -> KvBytes {
+        self.sum_rows(Rows::shared_bytes)
+    }
+
+    /// Bytes of [`HeadStore::bytes`] behind a share, whoever else holds them.
+    pub(crate) fn bytes_behind_shares(&self) -> KvBytes {
+        self.sum_rows(Rows::bytes_behind_share)
+    }
+
+    /// `bytes` of the hot rows' keys and values and of the cold tier's.
+    fn sum_rows(&self, bytes: impl Fn(&Rows) -> usize) -> KvBytes {
         KvBytes {
-            hot: self.keys.shared_bytes() + self.values.shared_bytes(),
-            cold: self
-                .cold
-                .as_ref()
-                .map_or(0, |(k, v)| k.shared_bytes() + v.shared_bytes()),
+            hot: bytes(&self.keys) + bytes(&self.values),
+            cold: self.cold.as_ref().map_or(0, |(k, v)| bytes(k) + bytes(v)),
         }
     }
 
@@ -324,10 +331,7 @@ impl HeadStore {
 
     /// Bytes allocated, shared rows included.
     pub(crate) fn bytes(&self) -> KvBytes {
-        KvBytes {
-            hot: self.keys.bytes() + self.values.bytes(),
-            cold: self.cold.as_ref().map_or(0, |(k, v)| k.bytes() + v.bytes()),
-        }
+        self.sum_rows(Rows::bytes)
     }
 }
 

@@ -430,8 +430,8 @@ mod tests {
             // 3 and 18 blocks per row: odd and even counts for the two accumulators.
             for (rows, cols) in [(70, 96), (9, 576)] {
                 let m = random_blocks(format, rows, cols, 11 + cols as u32);
-                // 5 rows: one panel (Q5_0: groups of four); 17: panels of 16 and 1 on
-                // AVX-512 VNNI, of 6, 6 and 5 on AVX-VNNI and AVX2
+                // 5 rows: one panel; 17: panels of 16 and 1 (Q4_1 and Q8_0 on AVX-512
+                // VNNI) or of 6, 6 and 5; and both in groups of four
                 for n in [5, 17] {
                     let mut x = floats(n * cols, 5, 40.0);
                     x[3] = 1e4; // one block whose other codes round to zero
@@ -456,8 +456,7 @@ mod tests {
 
     #[test]
     fn a_row_gives_the_same_bits_in_any_batch() {
-        // up to 33 rows: groups of 4 (Q5_0) and panels of 16 or 6 with remainders,
-        // beyond the tiled threshold
+        // up to 33 rows: panels of 16 or 6 with remainders, beyond the tiled threshold
         let (rows, cols, n) = (33, 64, 33);
         for format in Format::ALL {
             let m = random_blocks(format, rows, cols, 3);
