@@ -6,7 +6,7 @@ mod common;
 
 use common::{max_diff, tiny_config, tiny_gemma_config, Weights};
 use headwise::model::{
-    Interventions, KvCache, Logits, Model, ModelId, NoObserver, Numerics, Recorder, Wants,
+    HeadCache, Interventions, Logits, Model, ModelId, NoObserver, Numerics, Recorder, Wants,
 };
 use headwise::policy::ablation::{AblationMode, Calibration, HeadSet};
 use headwise::provenance::Made;
@@ -15,7 +15,7 @@ const TOKENS: &[u32] = &[5, 17, 3, 56, 42, 42, 8, 60, 1, 33, 21];
 const CALIBRATION: &[&[u32]] = &[&[2, 9, 4, 57, 13], &[50, 51, 52, 8, 44]];
 
 fn logits(model: &Model, tokens: &[u32], edits: &Interventions) -> Vec<Vec<f32>> {
-    let mut cache = KvCache::new(model.config(), tokens.len());
+    let mut cache = HeadCache::plain(model.config(), tokens.len());
     model
         .forward(tokens, &mut cache, Logits::All, &mut NoObserver, edits)
         .unwrap()
@@ -69,7 +69,7 @@ fn zero_output_on_every_head_of_a_layer_equals_a_model_without_that_layers_atten
         let mut cut = w.clone();
         cut.layers[layer].wo.fill(0.0);
         let model = cut.model(Numerics::Fast);
-        let mut cache = KvCache::new(model.config(), TOKENS.len());
+        let mut cache = HeadCache::plain(model.config(), TOKENS.len());
         let want = model
             .forward(
                 TOKENS,
@@ -104,7 +104,7 @@ fn uniform_attention_spreads_the_heads_attention_evenly_over_visible_keys() {
             attention: true,
             ..Wants::default()
         });
-        let mut cache = KvCache::new(model.config(), TOKENS.len());
+        let mut cache = HeadCache::plain(model.config(), TOKENS.len());
         model
             .forward(TOKENS, &mut cache, Logits::Last, &mut rec, &edits)
             .unwrap();
@@ -148,7 +148,7 @@ fn calibration_means_are_the_average_a_recorder_sees_past_position_zero() {
             queries: true,
             ..Wants::default()
         });
-        let mut cache = KvCache::new(cfg, p.len());
+        let mut cache = HeadCache::plain(cfg, p.len());
         model
             .forward(p, &mut cache, Logits::Last, &mut rec, &Interventions::new())
             .unwrap();

@@ -15,9 +15,9 @@ use candle_core::quantized::GgmlDType;
 use candle_core::Tensor;
 use common::{tiny_config, tiny_gemma_config, Weights};
 use headwise::model::{
-    argmax, generate, generate_batch, step_batch, BatchStep, Cache, Config, GenerateOptions,
-    HeadCache, Interventions, KvCache, Model, NoObserver, Numerics, Observer, OutputEdit, Recorder,
-    Retention, RowFormat, Session, TopK, Wants,
+    argmax, generate, generate_batch, step_batch, BatchStep, Config, GenerateOptions, HeadCache,
+    Interventions, Model, NoObserver, Numerics, Observer, OutputEdit, Recorder, Retention,
+    RowFormat, Session, TopK, Wants,
 };
 
 /// A llama whose every matrix width is whole 32-value blocks.
@@ -145,7 +145,7 @@ fn captured(recorder: &Recorder) -> Vec<f32> {
 }
 
 /// Prefill all of `seq`'s prompt but its last token.
-fn prefilled<'m, C: Cache>(model: &'m Model, seq: &Seq, cache: C) -> Session<'m, C> {
+fn prefilled<'m>(model: &'m Model, seq: &Seq, cache: HeadCache) -> Session<'m> {
     let mut session = Session::with_cache(model, cache);
     let head = &seq.prompt[..seq.prompt.len() - 1];
     if !head.is_empty() {
@@ -155,7 +155,7 @@ fn prefilled<'m, C: Cache>(model: &'m Model, seq: &Seq, cache: C) -> Session<'m,
 }
 
 /// Each sequence alone: prefill, then greedy single-sequence steps.
-fn alone<C: Cache>(model: &Model, seqs: &[Seq], cache: &dyn Fn(&Seq) -> C) -> Vec<Trace> {
+fn alone(model: &Model, seqs: &[Seq], cache: &dyn Fn(&Seq) -> HeadCache) -> Vec<Trace> {
     seqs.iter()
         .map(|seq| steps_alone(prefilled(model, seq, cache(seq)), seq))
         .collect()
@@ -163,7 +163,7 @@ fn alone<C: Cache>(model: &Model, seqs: &[Seq], cache: &dyn Fn(&Seq) -> C) -> Ve
 
 /// `seq`'s greedy single-sequence steps from `session`, which holds its prompt but the
 /// last token.
-fn steps_alone<C: Cache>(mut session: Session<C>, seq: &Seq) -> Trace {
+fn steps_alone(mut session: Session, seq: &Seq) -> Trace {
     let mut token = *seq.prompt.last().unwrap();
     let mut trace = Trace {
         logits: Vec::new(),
@@ -189,10 +189,10 @@ fn steps_alone<C: Cache>(mut session: Session<C>, seq: &Seq) -> Trace {
 /// `prompts_in = Some(piece)` each joins with an empty cache and its prompt (but the
 /// last token) runs as rows of the batch, at most `piece` positions per step, beside
 /// the other sequences' prompt rows and decode steps; otherwise it joins prefilled.
-fn batched<C: Cache>(
+fn batched(
     model: &Model,
     seqs: &[Seq],
-    cache: &dyn Fn(&Seq) -> C,
+    cache: &dyn Fn(&Seq) -> HeadCache,
     prompts_in: Option<usize>,
 ) -> Vec<Trace> {
     let mut traces: Vec<Trace> = seqs
@@ -204,7 +204,7 @@ fn batched<C: Cache>(
         .collect();
     let head = |seq: &Seq| seq.prompt.len() - 1;
     // (sequence, session, prompt positions run, next token)
-    let mut running: Vec<(usize, Session<C>, usize, u32)> = Vec::new();
+    let mut running: Vec<(usize, Session, usize, u32)> = Vec::new();
     let (mut sizes, mut mixed) = (Vec::new(), false);
     for t in 0.. {
         for (i, seq) in seqs.iter().enumerate().filter(|(_, s)| s.join == t) {
@@ -221,7 +221,7 @@ fn batched<C: Cache>(
         sizes.push(running.len());
         let mut recorders: Vec<Recorder> = running.iter().map(|_| recorder()).collect();
         let mut nothing: Vec<NoObserver> = running.iter().map(|_| NoObserver).collect();
-        let mut batch: Vec<BatchStep<C>> = running
+        let mut batch: Vec<BatchStep> = running
             .iter_mut()
             .zip(recorders.iter_mut().zip(nothing.iter_mut()))
             .map(|((i, session, done, token), (rec, none))| {
@@ -308,7 +308,7 @@ fn a_sequence_decodes_the_same_bits_alone_and_in_any_batch() {
                     &seqs,
                 );
                 let name = format!("{arch} {numerics:?} {dtype:?} plain");
-                let plain = |s: &Seq| KvCache::new(&cfg, capacity(s));
+                let plain = |s: &Seq| HeadCache::plain(&cfg, capacity(s));
                 check(
                     &name,
                     alone(&model, &seqs, &plain),
@@ -388,7 +388,7 @@ fn a_batch_refuses_sessions_of_different_models() {
     ];
     let err = step_batch(&mut batch).unwrap_err().to_string();
     assert!(err.contains("different models"), "{err}");
-    assert!(step_batch::<KvCache>(&mut []).unwrap().is_empty());
+    assert!(step_batch(&mut []).unwrap().is_empty());
 }
 
 #[test]
@@ -422,15 +422,15 @@ fn a_bad_row_fails_the_batch_before_any_cache_changes() {
 }
 
 #[test]
-fn a_row_of_several_tokens_needs_a_per_head_cache_and_a_plain_observer() {
+fn a_row_of_several_tokens_runs_as_steps_and_needs_a_plain_observer() {
     let cfg = llama();
     let model = Weights::random(cfg.clone(), 5).model_as(Numerics::Fast, GgmlDType::Q8_0);
     let edits = Interventions::new();
-    fn refused<C: Cache>(
-        session: &mut Session<C>,
+    fn row(
+        session: &mut Session,
         observer: &mut dyn Observer,
         edits: &Interventions,
-    ) -> String {
+    ) -> headwise::Result<Vec<f32>> {
         let mut batch = vec![BatchStep {
             session,
             tokens: &[1, 2],
@@ -438,15 +438,23 @@ fn a_row_of_several_tokens_needs_a_per_head_cache_and_a_plain_observer() {
             observer,
             edits,
         }];
-        step_batch(&mut batch).unwrap_err().to_string()
+        let logits = step_batch(&mut batch)?.pop().flatten().unwrap();
+        Ok(logits.flatten_all()?.to_vec1()?)
     }
+    // On the plain cache, as on a policy's, the row is two steps.
     let mut plain = Session::new(&model, 8);
-    let err = refused(&mut plain, &mut NoObserver, &edits);
-    assert!(err.contains("per-head cache"), "{err}");
+    let got = row(&mut plain, &mut NoObserver, &edits).unwrap();
+    let mut steps = Session::new(&model, 8);
+    steps.step(1, &mut NoObserver, &edits).unwrap();
+    let want = steps.step(2, &mut NoObserver, &edits).unwrap();
+    assert_eq!(got, want.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+    assert_eq!(plain.position(), 2);
     let mut heads = Session::with_cache(&model, head_cache(&cfg, 0, 8));
-    let err = refused(&mut heads, &mut recorder(), &edits);
+    let err = row(&mut heads, &mut recorder(), &edits)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("final hidden state"), "{err}");
-    assert_eq!((plain.position(), heads.position()), (0, 0));
+    assert_eq!(heads.position(), 0);
 }
 
 #[test]

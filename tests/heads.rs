@@ -5,7 +5,7 @@ mod common;
 
 use common::{tiny_config, Weights};
 use headwise::lab::heads::locos::{head_directions, step_scores};
-use headwise::model::{Interventions, KvCache, Logits, NoObserver, Numerics, Recorder, Wants};
+use headwise::model::{HeadCache, Interventions, Logits, NoObserver, Numerics, Recorder, Wants};
 
 #[test]
 fn locos_matches_a_brute_force_loop_over_positions() {
@@ -13,7 +13,7 @@ fn locos_matches_a_brute_force_loop_over_positions() {
     let model = w.model(Numerics::Fast);
     let cfg = model.config().clone();
     let tokens = [5u32, 17, 3, 96, 42, 42, 8, 60, 1, 33];
-    let mut cache = KvCache::new(&cfg, 16);
+    let mut cache = HeadCache::plain(&cfg, 16);
     model
         .forward(
             &tokens[..9],

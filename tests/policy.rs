@@ -1081,20 +1081,21 @@ fn a_probe_policy_follows_its_probe_and_ignores_labels() {
 
 #[test]
 fn a_chunk_over_tiered_heads_reads_the_whole_history() {
-    use headwise::model::{HeadCache, KvCache, Logits, Retention, RowFormat};
+    use headwise::model::{HeadCache, Logits, Retention, RowFormat};
     let cfg = tiny_config();
     let model = Weights::random(cfg.clone(), 19).model(Numerics::Fast);
     let (head, tail) = PROMPT.split_at(12);
     let none = Interventions::new();
-    let mut kv = KvCache::new(&cfg, PROMPT.len());
+    let mut kv = HeadCache::plain(&cfg, PROMPT.len());
     model
         .forward(head, &mut kv, Logits::Last, &mut NoObserver, &none)
         .unwrap();
     let continue_with = |retention: Retention| {
-        let mut cache =
-            HeadCache::from_kv(&cfg, &kv, &[retention; 4], RowFormat::F32, PROMPT.len()).unwrap();
+        let mut cache = kv
+            .retained(&cfg, &[retention; 4], RowFormat::F32, PROMPT.len())
+            .unwrap();
         let logits = model
-            .forward_heads(tail, &mut cache, Logits::All, &mut NoObserver, &none)
+            .forward(tail, &mut cache, Logits::All, &mut NoObserver, &none)
             .unwrap();
         vec![logits]
     };

@@ -8,7 +8,7 @@ use common::real_gemma;
 use headwise::model::file::fetch::{ensure, Fetched, GEMMA3_270M};
 use headwise::model::numerics::ggml::Simd;
 use headwise::model::{
-    generate, GenerateOptions, Interventions, KvCache, LoadedModel, Logits, NoObserver, Numerics,
+    generate, GenerateOptions, HeadCache, Interventions, LoadedModel, Logits, NoObserver, Numerics,
 };
 use headwise::reference::llama_cpp::LlamaCppBins;
 use headwise::synthetic::synthetic_notes;
@@ -50,7 +50,7 @@ fn sliding_window_layers_keep_only_their_window_of_a_long_prompt() {
     let cfg = m.model.config().clone();
     let tokens = m.encode(&synthetic_notes(70, Some(35)), true).unwrap();
     assert!(tokens.len() > 1500, "{}", tokens.len());
-    let mut cache = KvCache::new(&cfg, tokens.len());
+    let mut cache = HeadCache::plain(&cfg, tokens.len());
     m.model
         .forward(
             &tokens,
@@ -60,15 +60,15 @@ fn sliding_window_layers_keep_only_their_window_of_a_long_prompt() {
             &Interventions::new(),
         )
         .unwrap();
-    // 3 global layers hold every position; 15 local ones their 512-token window plus
-    // the 256-slot slack; one KV head of 256 f32 for keys and for values.
+    // 3 global layers hold every position; 15 local ones their 512-token window (a
+    // ring); one KV head of 256 f32 for keys and for values.
     let per_position = 2 * 256 * 4;
     let global = (0..cfg.n_layers)
         .filter(|&l| cfg.layer(l).window.is_none())
         .count();
     assert_eq!(global, 3);
-    let want = (global * tokens.len() + (cfg.n_layers - global) * (512 + 256)) * per_position;
-    assert_eq!(cache.allocated_bytes(), want);
+    let want = (global * tokens.len() + (cfg.n_layers - global) * 512) * per_position;
+    assert_eq!(cache.bytes().total(), want);
     assert!(want < cfg.n_layers * tokens.len() * per_position * 3 / 5);
 }
 

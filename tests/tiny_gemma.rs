@@ -7,7 +7,7 @@ mod common;
 
 use common::{brute_force_logits, max_diff, no_edits, tiny_gemma_config, BruteEdits, Weights};
 use headwise::model::{
-    Interventions, KeyRestriction, KvCache, Logits, Model, NoObserver, Numerics, Recorder, Wants,
+    HeadCache, Interventions, KeyRestriction, Logits, Model, NoObserver, Numerics, Recorder, Wants,
 };
 
 /// Deterministic token ids below the tiny vocabulary of 61.
@@ -17,7 +17,7 @@ fn tokens(n: usize) -> Vec<u32> {
 
 /// Every position's logits, one decode step at a time from an empty cache.
 fn stepwise(model: &Model, toks: &[u32], edits: &Interventions) -> Vec<Vec<f32>> {
-    let mut cache = KvCache::new(model.config(), 1);
+    let mut cache = HeadCache::plain(model.config(), 1);
     toks.iter()
         .map(|&t| {
             model
@@ -49,7 +49,7 @@ fn prefill_and_decode_match_brute_force_in_every_numerics() {
         let mut model = w.model(numerics);
         for chunk in [256, 1, 3, 4, 7] {
             model.set_chunk(chunk);
-            let mut cache = KvCache::new(model.config(), 4);
+            let mut cache = HeadCache::plain(model.config(), 4);
             let got = model
                 .forward(
                     &toks,
@@ -81,7 +81,7 @@ fn prefill_and_decode_match_brute_force_in_every_numerics() {
 }
 
 #[test]
-fn long_decode_past_the_window_slack_matches_brute_force_and_keeps_little_kv() {
+fn long_decode_past_the_window_matches_brute_force_and_keeps_little_kv() {
     let mut cfg = tiny_gemma_config();
     cfg.context_length = 400;
     let w = Weights::random(cfg, 22);
@@ -93,8 +93,8 @@ fn long_decode_past_the_window_slack_matches_brute_force_and_keeps_little_kv() {
     let d = max_diff(&got, &want);
     assert!(d < 1e-4, "max |diff| {d}");
     // The two global layers hold all 300 positions; each windowed one only its window
-    // of 5 plus a fixed slack of 256 (so it moves its keys once every 256 steps), not 300.
-    let mut cache = KvCache::new(model.config(), 300);
+    // of 5 (a ring), not 300.
+    let mut cache = HeadCache::plain(model.config(), 300);
     model
         .forward(
             &toks,
@@ -105,10 +105,7 @@ fn long_decode_past_the_window_slack_matches_brute_force_and_keeps_little_kv() {
         )
         .unwrap();
     let per_position = 2 * 16 * 4; // keys and values, one KV head of 16 f32
-    assert_eq!(
-        cache.allocated_bytes(),
-        (2 * 300 + 2 * (5 + 256)) * per_position
-    );
+    assert_eq!(cache.bytes().total(), (2 * 300 + 2 * 5) * per_position);
     let err = cache.truncate(2).unwrap_err().to_string();
     assert!(err.contains("cannot rewind"), "{err}");
 }
@@ -117,7 +114,7 @@ fn long_decode_past_the_window_slack_matches_brute_force_and_keeps_little_kv() {
 fn observed_attention_is_indexed_by_absolute_position_on_every_layer() {
     let model = Weights::random(tiny_gemma_config(), 23).model(Numerics::Fast);
     let toks = tokens(12);
-    let mut cache = KvCache::new(model.config(), 4);
+    let mut cache = HeadCache::plain(model.config(), 4);
     model
         .forward(
             &toks[..11],
@@ -180,7 +177,7 @@ fn key_restrictions_compose_with_the_window() {
     );
     for numerics in [Numerics::Fast, Numerics::Reference, Numerics::Ggml] {
         let model = w.model(numerics);
-        let mut cache = KvCache::new(model.config(), 4);
+        let mut cache = HeadCache::plain(model.config(), 4);
         let got = model
             .forward(&toks, &mut cache, Logits::All, &mut NoObserver, &edits)
             .unwrap();

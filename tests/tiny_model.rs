@@ -6,14 +6,14 @@ mod common;
 
 use common::{brute_force_logits, max_diff, no_edits, tiny_config, BruteEdits, Weights};
 use headwise::model::{
-    Interventions, KeyRestriction, KvCache, Logits, Model, NoObserver, Numerics, OutputEdit,
+    HeadCache, Interventions, KeyRestriction, Logits, Model, NoObserver, Numerics, OutputEdit,
     Recorder, Wants,
 };
 
 const TOKENS: &[u32] = &[5, 17, 3, 96, 42, 42, 8, 60, 1, 33, 71];
 
 fn logits_all(model: &Model, tokens: &[u32], edits: &Interventions) -> candle_core::Tensor {
-    let mut cache = KvCache::new(model.config(), tokens.len());
+    let mut cache = HeadCache::plain(model.config(), tokens.len());
     model
         .forward(tokens, &mut cache, Logits::All, &mut NoObserver, edits)
         .unwrap()
@@ -35,7 +35,7 @@ fn forward_matches_brute_force_in_every_numerics() {
 fn last_logits_are_the_last_row_of_all() {
     let model = Weights::random(tiny_config(), 2).model(Numerics::Fast);
     let all = logits_all(&model, TOKENS, &Interventions::new());
-    let mut cache = KvCache::new(model.config(), 4);
+    let mut cache = HeadCache::plain(model.config(), 4);
     let last = model
         .forward(
             TOKENS,
@@ -99,7 +99,7 @@ fn incremental_decode_with_kv_cache_equals_full_recompute() {
     let model = Weights::random(tiny_config(), 5).model(Numerics::Fast);
     let full = logits_all(&model, TOKENS, &Interventions::new());
     // Start with a capacity of 1 so the cache must grow (and copy) several times.
-    let mut cache = KvCache::new(model.config(), 1);
+    let mut cache = HeadCache::plain(model.config(), 1);
     let mut rows = Vec::new();
     for &t in TOKENS {
         let l = model
@@ -192,7 +192,7 @@ fn an_all_zero_attention_bias_changes_nothing() {
 fn observation_returns_what_was_asked_and_nothing_else() {
     let model = Weights::random(tiny_config(), 10).model(Numerics::Fast);
     let cfg = model.config().clone();
-    let mut cache = KvCache::new(&cfg, 16);
+    let mut cache = HeadCache::plain(&cfg, 16);
     let mut quiet = Recorder::new(Wants::default());
     model
         .forward(
@@ -241,7 +241,7 @@ fn bad_heads_and_tokens_are_errors_not_panics() {
     let model = Weights::random(tiny_config(), 11).model(Numerics::Fast);
     let mut edits = Interventions::new();
     edits.set_output(2, 0, OutputEdit::Zero);
-    let mut cache = KvCache::new(model.config(), 4);
+    let mut cache = HeadCache::plain(model.config(), 4);
     let err = model
         .forward(&[1, 2], &mut cache, Logits::Last, &mut NoObserver, &edits)
         .unwrap_err();
@@ -294,9 +294,9 @@ fn head_output_projection_is_the_heads_slice_of_w_o() {
 fn truncating_the_cache_and_continuing_equals_a_fresh_run() {
     let model = Weights::random(tiny_config(), 13).model(Numerics::Fast);
     let cfg = model.config().clone();
-    let mut cache = KvCache::new(&cfg, 4);
+    let mut cache = HeadCache::plain(&cfg, 4);
     let bytes = |positions: usize| 2 * cfg.n_layers * cfg.n_kv_heads * positions * cfg.d_head * 4;
-    let run = |tokens: &[u32], cache: &mut KvCache| {
+    let run = |tokens: &[u32], cache: &mut HeadCache| {
         model
             .forward(
                 tokens,
@@ -308,12 +308,12 @@ fn truncating_the_cache_and_continuing_equals_a_fresh_run() {
             .unwrap()
     };
     run(&TOKENS[..3], &mut cache);
-    assert_eq!(cache.allocated_bytes(), bytes(4));
-    run(&TOKENS[3..10], &mut cache); // 10 > 2 * 4: grows to exactly 10
-    assert_eq!(cache.allocated_bytes(), bytes(10));
-    run(&TOKENS[10..], &mut cache); // doubles
-    assert_eq!(cache.allocated_bytes(), bytes(20));
+    assert_eq!(cache.bytes().total(), bytes(4)); // the room asked for
+    run(&TOKENS[3..], &mut cache); // grows past it
+    let grown = cache.bytes().total();
+    assert!(grown >= bytes(TOKENS.len()), "{grown}");
     cache.truncate(5).unwrap();
+    assert_eq!(cache.bytes().total(), grown, "the room stays");
     assert_eq!(cache.len(), 5);
     let again = model
         .forward(

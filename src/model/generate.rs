@@ -15,7 +15,7 @@ use candle_core::Tensor;
 use rand::{Rng, SeedableRng};
 
 use crate::model::{
-    argmax, step_batch, BatchStep, Interventions, KvCache, Model, NoObserver, Observer, Session,
+    argmax, step_batch, BatchStep, Interventions, Model, NoObserver, Observer, Session,
 };
 use crate::{Error, Result};
 
@@ -332,7 +332,7 @@ pub fn generate_batch(
                 s.decode_secs = t1.elapsed().as_secs_f64();
             }
         }
-        let mut batch: Vec<BatchStep<'_, '_, KvCache>> = seqs
+        let mut batch: Vec<BatchStep<'_, '_>> = seqs
             .iter_mut()
             .filter(|s| s.stop.is_none())
             .map(|s| BatchStep {

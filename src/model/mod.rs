@@ -18,7 +18,7 @@ pub mod session;
 pub mod text;
 pub mod transformer;
 
-pub use cache::{HeadCache, KvBytes, KvCache, Retention, RowFormat, TopK};
+pub use cache::{HeadCache, KvBytes, Retention, RowFormat, TopK};
 pub use config::{Architecture, Config, LayerSpec, RopeStyle, SlidingWindow};
 pub use file::gguf::{GgufFile, ModelId};
 pub use generate::{
@@ -29,5 +29,5 @@ pub use loaded::{LoadedModel, TextStream};
 pub use numerics::{Linear, Numerics};
 pub use observe::{last_row, Capture, NoObserver, Observer, Recorder, Tee, Wants};
 pub use rope::Rope;
-pub use session::{step_batch, BatchStep, Cache, Session};
-pub use transformer::{argmax, CacheMut, DecodeParts, DecodeRow, Logits, Model, DEFAULT_CHUNK};
+pub use session::{step_batch, BatchStep, Session};
+pub use transformer::{argmax, DecodeParts, DecodeRow, Logits, Model, DEFAULT_CHUNK};

@@ -6,98 +6,33 @@
 //! of every position, and [`Session::sample`] to draw the next token from a step's logits
 //! (greedy unless the session was made [`Session::with_sampling`]).
 //!
-//! The cache is either the plain per-layer [`KvCache`] (every head keeps every position)
-//! or the per-head [`HeadCache`] of a policy; both are a [`Cache`]. [`step_batch`]
+//! The cache is a [`HeadCache`]: plain ([`Session::new`], every head keeps every
+//! position) or the per-head cache of a policy ([`Session::with_cache`]). [`step_batch`]
 //! advances several sessions in one pass (continuous batching), by one token each or,
 //! for a session prefilling its prompt, by several run as steps of their own; each
 //! session's logits are the same as its own [`Session::step`]s would give.
 
 use candle_core::Tensor;
 
-use crate::model::transformer::{CacheMut, DecodeRow};
-use crate::model::{HeadCache, Interventions, KvCache, Logits, Model, Observer, Sampler, Sampling};
+use crate::model::transformer::DecodeRow;
+use crate::model::{HeadCache, Interventions, Logits, Model, Observer, Sampler, Sampling};
 use crate::{Error, Result};
 
-/// A cache a [`Session`] runs the model over.
-pub trait Cache {
-    /// Run `tokens` at the positions after the cached ones, appending their keys and
-    /// values; logits `(1, vocab)` for [`Logits::Last`], `(tokens.len(), vocab)` for
-    /// [`Logits::All`].
-    fn run(
-        &mut self,
-        model: &Model,
-        tokens: &[u32],
-        logits: Logits,
-        observer: &mut dyn Observer,
-        edits: &Interventions,
-    ) -> Result<Tensor>;
-
-    /// Positions cached so far: the next token's position.
-    fn position(&self) -> usize;
-
-    /// The cache as a forward pass appends to it.
-    fn target(&mut self) -> CacheMut<'_>;
-}
-
-impl Cache for KvCache {
-    fn run(
-        &mut self,
-        model: &Model,
-        tokens: &[u32],
-        logits: Logits,
-        observer: &mut dyn Observer,
-        edits: &Interventions,
-    ) -> Result<Tensor> {
-        model.forward(tokens, self, logits, observer, edits)
-    }
-
-    fn position(&self) -> usize {
-        self.len()
-    }
-
-    fn target(&mut self) -> CacheMut<'_> {
-        CacheMut::Plain(self)
-    }
-}
-
-impl Cache for HeadCache {
-    fn run(
-        &mut self,
-        model: &Model,
-        tokens: &[u32],
-        logits: Logits,
-        observer: &mut dyn Observer,
-        edits: &Interventions,
-    ) -> Result<Tensor> {
-        model.forward_heads(tokens, self, logits, observer, edits)
-    }
-
-    fn position(&self) -> usize {
-        self.len()
-    }
-
-    fn target(&mut self) -> CacheMut<'_> {
-        CacheMut::Heads(self)
-    }
-}
-
-/// A sequence over `model` with its cache `C` and its sampler.
-pub struct Session<'m, C: Cache = KvCache> {
+/// A sequence over `model` with its cache and its sampler.
+pub struct Session<'m> {
     model: &'m Model,
-    cache: C,
+    cache: HeadCache,
     sampler: Sampler,
 }
 
-impl<'m> Session<'m, KvCache> {
+impl<'m> Session<'m> {
     /// An empty sequence with a plain cache for `capacity` positions.
     pub fn new(model: &'m Model, capacity: usize) -> Self {
-        Self::with_cache(model, KvCache::new(model.config(), capacity))
+        Self::with_cache(model, HeadCache::plain(model.config(), capacity))
     }
-}
 
-impl<'m, C: Cache> Session<'m, C> {
     /// A sequence that continues from what `cache` holds, choosing tokens greedily.
-    pub fn with_cache(model: &'m Model, cache: C) -> Self {
+    pub fn with_cache(model: &'m Model, cache: HeadCache) -> Self {
         Self {
             model,
             cache,
@@ -124,23 +59,23 @@ impl<'m, C: Cache> Session<'m, C> {
     }
 
     /// The cache.
-    pub fn cache(&self) -> &C {
+    pub fn cache(&self) -> &HeadCache {
         &self.cache
     }
 
     /// The cache, to change what it keeps (a policy's top-k or active heads).
-    pub fn cache_mut(&mut self) -> &mut C {
+    pub fn cache_mut(&mut self) -> &mut HeadCache {
         &mut self.cache
     }
 
     /// The cache, ending the session.
-    pub fn into_cache(self) -> C {
+    pub fn into_cache(self) -> HeadCache {
         self.cache
     }
 
     /// Positions processed so far.
     pub fn position(&self) -> usize {
-        self.cache.position()
+        self.cache.len()
     }
 
     /// Run `tokens` and return the logits of the rows `logits` asks for.
@@ -151,7 +86,8 @@ impl<'m, C: Cache> Session<'m, C> {
         observer: &mut dyn Observer,
         edits: &Interventions,
     ) -> Result<Tensor> {
-        self.cache.run(self.model, tokens, logits, observer, edits)
+        self.model
+            .forward(tokens, &mut self.cache, logits, observer, edits)
     }
 
     /// Run a prompt (or part of one) in chunks; logits `(1, vocab)` of its last position.
@@ -176,11 +112,10 @@ impl<'m, C: Cache> Session<'m, C> {
 }
 
 /// One session's part of a [`step_batch`]: the tokens it runs (one for a decode step;
-/// several for a part of its prompt, each run as a step of its own, which needs a
-/// per-head cache), whether it wants the last one's logits, and its own observer and
-/// edits.
-pub struct BatchStep<'s, 'm, C: Cache> {
-    pub session: &'s mut Session<'m, C>,
+/// several for a part of its prompt, each run as a step of its own), whether it wants
+/// the last one's logits, and its own observer and edits.
+pub struct BatchStep<'s, 'm> {
+    pub session: &'s mut Session<'m>,
     pub tokens: &'s [u32],
     pub logits: bool,
     pub observer: &'s mut dyn Observer,
@@ -192,7 +127,7 @@ pub struct BatchStep<'s, 'm, C: Cache> {
 /// token where it asked for them, bit-identical to what its own [`Session::step`] of
 /// each token in turn gives, whatever else is in the batch. The sessions must run the
 /// same model.
-pub fn step_batch<C: Cache>(batch: &mut [BatchStep<'_, '_, C>]) -> Result<Vec<Option<Tensor>>> {
+pub fn step_batch(batch: &mut [BatchStep<'_, '_>]) -> Result<Vec<Option<Tensor>>> {
     let Some(model) = batch.first().map(|b| b.session.model) else {
         return Ok(Vec::new());
     };
@@ -202,7 +137,7 @@ pub fn step_batch<C: Cache>(batch: &mut [BatchStep<'_, '_, C>]) -> Result<Vec<Op
     let mut rows: Vec<DecodeRow<'_>> = batch
         .iter_mut()
         .map(|b| DecodeRow {
-            cache: b.session.cache.target(),
+            cache: &mut b.session.cache,
             tokens: b.tokens,
             logits: b.logits,
             observer: &mut *b.observer,

@@ -1,6 +1,6 @@
 //! The instrumented decoder: explicit attention `softmax(q k^T / sqrt(d) + mask) v`, GQA
 //! (query head `h` reads KV head `h / (n_heads / n_kv_heads)`), interleaved RoPE,
-//! RMSNorm, SwiGLU, chunked prefill into a [`KvCache`], with an [`Observer`] and
+//! RMSNorm, SwiGLU, chunked prefill into a [`HeadCache`], with an [`Observer`] and
 //! [`Interventions`] at every attention head.
 
 use std::path::Path;
@@ -10,6 +10,7 @@ use candle_core::{Device, Tensor, D};
 use rayon::prelude::*;
 
 use crate::model::attention;
+use crate::model::cache::store::Parts;
 use crate::model::config::{Architecture, LayerSpec};
 use crate::model::file::gguf::{GgufFile, TensorSource};
 use crate::model::intervene::MaskSpan;
@@ -18,7 +19,7 @@ use crate::model::numerics::embedding::Embedding;
 use crate::model::numerics::ggml;
 use crate::model::numerics::linear::Projections;
 use crate::model::numerics::Ops;
-use crate::model::{Config, HeadCache, Interventions, KvCache, Linear, Numerics, Observer, Rope};
+use crate::model::{Config, HeadCache, Interventions, Linear, Numerics, Observer, Rope};
 use crate::{Error, Result};
 
 /// Which positions' logits a forward pass returns.
@@ -412,27 +413,19 @@ impl Model {
     ///
     /// Returns logits `(1, vocab)` for [`Logits::Last`] or `(tokens.len(), vocab)` for
     /// [`Logits::All`]. The observer is called once per chunk ([`Observer::begin`]); with
-    /// chunks of one position over a per-head cache, an observer that wants at most the
-    /// final hidden state is called once for the whole pass (the positions then run as
-    /// one row of [`Model::decode_batch`], the same bits as one pass each).
-    pub fn forward(
-        &self,
-        tokens: &[u32],
-        cache: &mut KvCache,
-        logits: Logits,
-        observer: &mut dyn Observer,
-        edits: &Interventions,
-    ) -> Result<Tensor> {
-        self.forward_store(tokens, CacheMut::Plain(cache), logits, observer, edits)
-    }
-
-    /// [`Model::forward`] over a per-head cache: each KV head reads what its
+    /// chunks of one position, an observer that wants at most the final hidden state is
+    /// called once for the whole pass (the positions then run as one row of
+    /// [`Model::decode_batch`], the same bits as one pass each).
+    ///
+    /// A layer whose stores all hold their positions in order (the plain cache,
+    /// [`HeadCache::plain`], and a policy's full layers) attends in the model's numerics
+    /// over one run of keys per head. Other layers read what each head's
     /// [`Retention`](crate::model::Retention) keeps, and top-k restrictions apply at
-    /// decode steps. Observers may not ask for values here, nor for attention
+    /// decode steps; there, observers may not ask for values, nor for attention
     /// probabilities in a pass of more than one token (a decode step gives them, zero at
     /// the positions a head does not hold), and `edits` may not restrict keys or bias
-    /// scores (a policy decides what heads see); output and query edits apply as usual.
-    pub fn forward_heads(
+    /// scores (a policy decides what heads see). Output and query edits apply as usual.
+    pub fn forward(
         &self,
         tokens: &[u32],
         cache: &mut HeadCache,
@@ -440,70 +433,11 @@ impl Model {
         observer: &mut dyn Observer,
         edits: &Interventions,
     ) -> Result<Tensor> {
-        self.forward_store(tokens, CacheMut::Heads(cache), logits, observer, edits)
-    }
-
-    /// Check a pass of `tokens` after what `cache` holds, before any work: tokens in the
-    /// vocabulary and within the context, edits that fit the model, and nothing a
-    /// per-head cache cannot give (values or a prefill's attention probabilities to
-    /// observe, key restrictions or score biases).
-    fn check_step(
-        &self,
-        tokens: &[u32],
-        cache: &CacheMut,
-        observer: &dyn Observer,
-        edits: &Interventions,
-    ) -> Result<()> {
-        if let CacheMut::Heads(_) = cache {
-            let wants = observer.wants();
-            if wants.values || wants.attention && tokens.len() > 1 {
-                return Err(Error::invalid(
-                    "observer",
-                    "through a per-head cache, values are not observable, and attention \
-                     probabilities only at decode steps (one token)",
-                ));
-            }
-            if edits.restricts_keys() {
-                return Err(Error::invalid(
-                    "interventions",
-                    "key restrictions and score biases do not apply to a per-head cache \
-                     (use a top-k policy)",
-                ));
-            }
-        }
-        if tokens.is_empty() {
-            return Err(Error::invalid("tokens", "empty input"));
-        }
-        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= self.cfg.vocab_size) {
-            return Err(Error::invalid(
-                "tokens",
-                format!("id {bad} outside the vocabulary of {}", self.cfg.vocab_size),
-            ));
-        }
-        if cache.len() + tokens.len() > self.cfg.context_length {
-            return Err(Error::ContextOverflow {
-                prompt: cache.len() + tokens.len(),
-                max_new: 0,
-                context: self.cfg.context_length,
-            });
-        }
-        edits.validate(&self.cfg)
-    }
-
-    fn forward_store(
-        &self,
-        tokens: &[u32],
-        mut cache: CacheMut,
-        logits: Logits,
-        observer: &mut dyn Observer,
-        edits: &Interventions,
-    ) -> Result<Tensor> {
-        self.check_step(tokens, &cache, &*observer, edits)?;
-        // Chunks of one token are decode steps: a per-head cache runs them as one row of
-        // a batched step (the same bits, the weights read once for all of them).
+        self.check_step(tokens, cache, &*observer, edits)?;
+        // Chunks of one token are decode steps: they run as one row of a batched step
+        // (the same bits, the weights read once for all of them).
         if self.chunk == 1
             && tokens.len() > 1
-            && matches!(cache, CacheMut::Heads(_))
             && logits == Logits::Last
             && observer.wants().at_most_final_hidden()
         {
@@ -534,7 +468,7 @@ impl Model {
                     Logits::Last if last => Some(Logits::Last),
                     Logits::Last => None,
                 };
-                if let Some(l) = self.forward_chunk(chunk, &mut cache, want, observer, edits)? {
+                if let Some(l) = self.forward_chunk(chunk, cache, want, observer, edits)? {
                     outs.push(l);
                 }
             }
@@ -548,10 +482,57 @@ impl Model {
         })
     }
 
+    /// Check a pass of `tokens` after what `cache` holds, before any work: tokens in the
+    /// vocabulary and within the context, edits that fit the model, and nothing a cache
+    /// that is not plain cannot give (values or a prefill's attention probabilities to
+    /// observe, key restrictions or score biases).
+    fn check_step(
+        &self,
+        tokens: &[u32],
+        cache: &HeadCache,
+        observer: &dyn Observer,
+        edits: &Interventions,
+    ) -> Result<()> {
+        if !cache.is_plain() {
+            let wants = observer.wants();
+            if wants.values || wants.attention && tokens.len() > 1 {
+                return Err(Error::invalid(
+                    "observer",
+                    "through a cache whose heads keep different positions, values are not \
+                     observable, and attention probabilities only at decode steps (one token)",
+                ));
+            }
+            if edits.restricts_keys() {
+                return Err(Error::invalid(
+                    "interventions",
+                    "key restrictions and score biases do not apply to a cache whose heads \
+                     keep different positions (use a top-k policy)",
+                ));
+            }
+        }
+        if tokens.is_empty() {
+            return Err(Error::invalid("tokens", "empty input"));
+        }
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= self.cfg.vocab_size) {
+            return Err(Error::invalid(
+                "tokens",
+                format!("id {bad} outside the vocabulary of {}", self.cfg.vocab_size),
+            ));
+        }
+        if cache.len() + tokens.len() > self.cfg.context_length {
+            return Err(Error::ContextOverflow {
+                prompt: cache.len() + tokens.len(),
+                max_new: 0,
+                context: self.cfg.context_length,
+            });
+        }
+        edits.validate(&self.cfg)
+    }
+
     fn forward_chunk(
         &self,
         tokens: &[u32],
-        cache: &mut CacheMut,
+        cache: &mut HeadCache,
         logits: Option<Logits>,
         observer: &mut dyn Observer,
         edits: &Interventions,
@@ -603,25 +584,22 @@ impl Model {
     /// each token's arithmetic as if it ran alone ([`Linear::forward_each`]); attention
     /// runs per row over its own cache, its tokens in order. So a token's result is
     /// bit-identical whatever else is in the batch, and equal to a single-sequence step
-    /// ([`Model::forward`] / [`Model::forward_heads`] with one token). Returns, per row,
+    /// ([`Model::forward`] with one token). Returns, per row,
     /// the logits `(1, vocab)` of its last token where the row asks for them.
     ///
-    /// A row of several tokens needs a per-head cache and an observer that wants at most
-    /// the final hidden state (given for its last token).
+    /// A row of several tokens needs an observer that wants at most the final hidden
+    /// state (given for its last token).
     pub fn decode_batch(&self, rows: &mut [DecodeRow<'_>]) -> Result<Vec<Option<Tensor>>> {
         if rows.is_empty() {
             return Ok(Vec::new());
         }
         for row in rows.iter() {
-            self.check_step(row.tokens, &row.cache, &*row.observer, row.edits)?;
-            if row.tokens.len() > 1
-                && (matches!(row.cache, CacheMut::Plain(_))
-                    || !row.observer.wants().at_most_final_hidden())
-            {
+            self.check_step(row.tokens, row.cache, &*row.observer, row.edits)?;
+            if row.tokens.len() > 1 && !row.observer.wants().at_most_final_hidden() {
                 return Err(Error::invalid(
                     "batch",
-                    "a row of several tokens needs a per-head cache and an observer that \
-                     wants at most the final hidden state",
+                    "a row of several tokens needs an observer that wants at most the \
+                     final hidden state",
                 ));
             }
         }
@@ -666,7 +644,7 @@ impl Model {
                                     &own,
                                     start + j,
                                     None,
-                                    &mut row.cache,
+                                    row.cache,
                                     observer,
                                     edits,
                                 )
@@ -774,7 +752,7 @@ impl Model {
         qkv: &[Tensor],
         start: usize,
         causal: Option<&Tensor>,
-        cache: &mut CacheMut,
+        cache: &mut HeadCache,
         observer: &mut dyn Observer,
         edits: &Interventions,
     ) -> Result<Tensor> {
@@ -798,38 +776,57 @@ impl Model {
         let qh = edits.uniform_queries(layer, rope.apply(&qh, start)?.squeeze(0)?)?;
         let kh = rope.apply(&kh, start)?;
         let vh = heads(qkv[2].clone(), nkv)?;
-        let cache = match cache {
-            CacheMut::Plain(cache) => cache,
-            CacheMut::Heads(cache) => {
-                let (out, probs) = attention::per_head(
-                    cache,
-                    layer,
-                    &qh,
-                    &kh.squeeze(0)?,
-                    &vh.squeeze(0)?,
-                    start,
-                    wants.attention,
-                )?;
-                if let Some(probs) = probs {
-                    observer.attention(layer, &probs);
-                }
-                return self.head_outputs(layer, out, observer, edits);
+        let (kh, vh) = (kh.squeeze(0)?, vh.squeeze(0)?);
+        if !cache.reads_in_order(layer) {
+            let (out, probs) =
+                attention::per_head(cache, layer, &qh, &kh, &vh, start, wants.attention)?;
+            if let Some(probs) = probs {
+                observer.attention(layer, &probs);
             }
-        };
-        let stored = cache.append(layer, &kh.squeeze(0)?, &vh.squeeze(0)?)?;
-        let (mut keys, mut values, mut key_start) = (stored.keys, stored.values, stored.start);
-        let window = self.specs[layer].window;
-        if let (1, Some(w)) = (q_len, window) {
-            // A decode step of a sliding-window layer reads just its window: a contiguous
-            // tail of the stored keys, so no mask is needed.
-            let n = keys.dim(1)?;
-            if n > w {
-                keys = keys.narrow(1, n - w, w)?;
-                values = values.narrow(1, n - w, w)?;
-                key_start += n - w;
-            }
+            return self.head_outputs(layer, out, observer, edits);
         }
-        let kv_len = keys.dim(1)?;
+        // Every head holds its positions in order: attention in the model's numerics over
+        // one run of keys per head, read in place at a decode step; a prefill chunk reads
+        // the rows stored before it followed by its own, and stores its own after.
+        cache.check_chunk(start, q_len)?;
+        let (new_k, new_v) = (kh.to_vec3::<f32>()?, vh.to_vec3::<f32>()?);
+        let window = self.specs[layer].window;
+        let held: Vec<(Tensor, Tensor)>;
+        let rows: Vec<attention::KvRows>;
+        let stored;
+        let (kv, key_start) = if q_len == 1 {
+            attention::store(cache, layer, start, &new_k, &new_v);
+            stored = cache
+                .in_order(layer, start + 1)
+                .ok_or(Error::Internal("a layer read in order"))?;
+            rows = stored
+                .iter()
+                .map(|([k0, k1], [v0, v1])| attention::KvRows::parts([k0, k1], [v0, v1], dh))
+                .collect();
+            let kv = attention::Kv::Rows(&rows);
+            (kv, start + 1 - kv.dims()?.1)
+        } else {
+            let before = cache
+                .in_order(layer, start)
+                .ok_or(Error::Internal("a layer read in order"))?;
+            let n_before = before
+                .first()
+                .map_or(0, |(k, _)| (k[0].len() + k[1].len()) / dh);
+            let n = n_before + q_len;
+            let gather = |keys: bool| {
+                let mut all: Vec<f32> = Vec::with_capacity(nkv * n * dh);
+                for (b, (k, v)) in before.iter().zip(new_k.iter().zip(&new_v)) {
+                    let (stored, new): (&Parts, _) = if keys { (&b.0, k) } else { (&b.1, v) };
+                    all.extend(stored.iter().flat_map(|p| p.iter()));
+                    all.extend(new.iter().flatten());
+                }
+                Tensor::from_vec(all, (nkv, n, dh), &Device::Cpu)
+            };
+            held = vec![(gather(true)?, gather(false)?)];
+            let (keys, values) = (&held[0].0, &held[0].1);
+            (attention::Kv::Tensors { keys, values }, start - n_before)
+        };
+        let kv_len = kv.dims()?.1;
         let span = MaskSpan {
             queries: start..start + q_len,
             keys: key_start..key_start + kv_len,
@@ -846,12 +843,12 @@ impl Model {
         // (the window always cuts, and so builds a mask, once keys were dropped).
         debug_assert!(blocks || mask.is_some() || q_len == 1 || key_start == 0);
         if wants.values {
+            let (_, values) = kv.tensors(dh)?;
             observer.values(layer, &pad_keys(&values, key_start, 1)?);
         }
         let inputs = attention::Inputs {
             q: &qh,
-            keys: &keys,
-            values: &values,
+            kv,
             offset: start - key_start,
             key_start,
             mask: mask.as_ref(),
@@ -861,6 +858,9 @@ impl Model {
         let (out, probs) = self.attention.attend(&inputs, wants.attention)?;
         if let Some(probs) = probs {
             observer.attention(layer, &pad_keys(&probs, key_start, 2)?);
+        }
+        if q_len > 1 {
+            attention::store(cache, layer, start, &new_k, &new_v);
         }
         self.head_outputs(layer, out, observer, edits)
     }
@@ -883,42 +883,12 @@ impl Model {
     }
 }
 
-/// The cache a forward pass appends to.
-pub enum CacheMut<'a> {
-    /// One buffer per layer, every KV head alike.
-    Plain(&'a mut KvCache),
-    /// One store per (layer, KV head), each with its own retention.
-    Heads(&'a mut HeadCache),
-}
-
-impl CacheMut<'_> {
-    /// Positions cached so far.
-    pub fn len(&self) -> usize {
-        match self {
-            CacheMut::Plain(c) => c.len(),
-            CacheMut::Heads(c) => c.len(),
-        }
-    }
-
-    /// Whether nothing is cached.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    fn commit(&mut self, q: usize) {
-        match self {
-            CacheMut::Plain(c) => c.commit(q),
-            CacheMut::Heads(c) => c.commit(q),
-        }
-    }
-}
-
 /// One sequence's part of a batched decode step ([`Model::decode_batch`]): its cache,
 /// the tokens to run (one for a decode step; several for a part of a prompt, each run
 /// as a step of its own), whether to return the last one's logits, and its own observer
 /// and edits.
 pub struct DecodeRow<'a> {
-    pub cache: CacheMut<'a>,
+    pub cache: &'a mut HeadCache,
     pub tokens: &'a [u32],
     pub logits: bool,
     pub observer: &'a mut dyn Observer,

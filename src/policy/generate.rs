@@ -13,8 +13,8 @@ use candle_core::Tensor;
 use serde::{Deserialize, Serialize};
 
 use crate::model::{
-    last_row, BatchStep, GenerateOptions, Generation, HeadCache, Interventions, KvBytes, KvCache,
-    Model, Observer, Session, StopReason, Tee, Wants,
+    last_row, BatchStep, GenerateOptions, Generation, HeadCache, Interventions, KvBytes, Model,
+    Observer, Session, StopReason, Tee, Wants,
 };
 use crate::policy::evict::{Observe, Observed};
 use crate::policy::explain::{ExplainConfig, HeadReads, TokenExplain};
@@ -27,7 +27,7 @@ use crate::{Error, Result};
 /// every `full_then_evict` policy run on the same prompt with the same edits.
 #[derive(Debug, Clone)]
 pub struct Prefilled {
-    kv: KvCache,
+    kv: HeadCache,
     /// The edits the prompt ran with.
     edits: Interventions,
     /// Final hidden state `(d_model,)` of the last prefilled position.
@@ -125,13 +125,13 @@ impl Prefilled {
     }
 
     /// The plain cache holding every prompt position but the last.
-    pub fn cache(&self) -> &KvCache {
+    pub fn cache(&self) -> &HeadCache {
         &self.kv
     }
 
     /// Bytes the plain cache allocated for the prefill.
     pub fn bytes(&self) -> usize {
-        self.kv.allocated_bytes()
+        self.kv.bytes().total()
     }
 
     /// Bytes the prefill held at most: the plain cache, with the copy KVzip's
@@ -310,7 +310,7 @@ pub fn generate(
 /// generation; a scheduler runs it for many at once.
 pub struct Decoding<'a> {
     plan: &'a Plan,
-    session: Session<'a, HeadCache>,
+    session: Session<'a>,
     /// A streaming prefill's positions (all of the prompt but its last token), of
     /// which `done` have run.
     pending: Vec<u32>,
@@ -451,8 +451,7 @@ impl<'a> Decoding<'a> {
                         &own
                     }
                 };
-                let mut cache =
-                    HeadCache::from_kv(cfg, &pre.kv, &plan.retention, plan.rows, capacity)?;
+                let mut cache = pre.kv.retained(cfg, &plan.retention, plan.rows, capacity)?;
                 let mut peak = pre.peak_bytes().max(pre.bytes() + cache.bytes().total());
                 if let Some(eviction) = &plan.evict {
                     eviction.press(&mut cache, cfg, pre.attention.as_ref())?;
@@ -607,7 +606,7 @@ impl<'a> Decoding<'a> {
     }
 
     /// The staged prompt positions as one row of a batched step, no logits asked.
-    pub fn prefill_step(&mut self) -> BatchStep<'_, 'a, HeadCache> {
+    pub fn prefill_step(&mut self) -> BatchStep<'_, 'a> {
         BatchStep {
             session: &mut self.session,
             tokens: &self.pending[self.done..self.done + self.staged],
@@ -734,7 +733,7 @@ impl<'a> Decoding<'a> {
     }
 
     /// The next token as one row of a batched step (once [`Decoding::ready`]).
-    pub fn batch_step(&mut self) -> BatchStep<'_, 'a, HeadCache> {
+    pub fn batch_step(&mut self) -> BatchStep<'_, 'a> {
         BatchStep {
             session: &mut self.session,
             tokens: std::slice::from_ref(&self.input),

@@ -453,7 +453,7 @@ fn run(
         let live = |r: &Running| r.end.is_none() && (r.decoding.ready() || r.decoding.staged() > 0);
         let stepping: Vec<usize> = (0..running.len()).filter(|&i| live(&running[i])).collect();
         if !stepping.is_empty() {
-            let mut batch: Vec<BatchStep<'_, '_, HeadCache>> = running
+            let mut batch: Vec<BatchStep<'_, '_>> = running
                 .iter_mut()
                 .filter(|r| live(r))
                 .map(|r| match r.decoding.ready() {

@@ -14,8 +14,7 @@
 //! batch's rows to its cache before attending); a prefill reads its own rows exact.
 
 use crate::model::{
-    Cache, HeadCache, Interventions, KvCache, Logits, Model, NoObserver, Retention, RowFormat,
-    Session,
+    HeadCache, Interventions, Logits, Model, NoObserver, Retention, RowFormat, Session,
 };
 use crate::{Error, Result};
 
@@ -29,7 +28,7 @@ pub fn perplexity(
 ) -> Result<f64> {
     let cfg = model.config();
     perplexity_with(model, tokens, n_ctx, chunks, bos, false, &|| {
-        Ok(KvCache::new(cfg, n_ctx))
+        Ok(HeadCache::plain(cfg, n_ctx))
     })
 }
 
@@ -55,14 +54,14 @@ pub fn perplexity_in(
 
 /// [`perplexity`] over a fresh cache from `cache` per chunk, the scored half in one
 /// forward pass or, `stepwise`, one decode step a token.
-fn perplexity_with<C: Cache>(
+fn perplexity_with(
     model: &Model,
     tokens: &[u32],
     n_ctx: usize,
     chunks: usize,
     bos: u32,
     stepwise: bool,
-    cache: &dyn Fn() -> Result<C>,
+    cache: &dyn Fn() -> Result<HeadCache>,
 ) -> Result<f64> {
     if n_ctx < 4 || chunks == 0 || tokens.len() < chunks * n_ctx {
         return Err(Error::invalid(

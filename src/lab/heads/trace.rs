@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 use crate::artifact::{read_versioned, Versioned};
 use crate::lab::eval::Example;
 use crate::model::{
-    argmax, Interventions, KvCache, LoadedModel, NoObserver, Observer, Session, Wants,
+    argmax, HeadCache, Interventions, LoadedModel, NoObserver, Observer, Session, Wants,
 };
 use crate::probe::LabelKind;
 use crate::provenance::Made;
@@ -196,7 +196,7 @@ pub fn record_steps(
     cfg: &TraceConfig,
     forced: Option<&[u32]>,
     edits_at: &mut dyn FnMut(usize) -> Interventions,
-    cache: KvCache,
+    cache: HeadCache,
 ) -> Result<ExampleSteps> {
     let model = &lm.model;
     let mc = model.config();

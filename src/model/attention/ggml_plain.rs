@@ -3,7 +3,7 @@
 use candle_core::Tensor;
 use rayon::prelude::*;
 
-use super::rows::{per_row, Shapes};
+use super::rows::{per_row, Kv, Shapes};
 use crate::model::numerics::ggml;
 use crate::Result;
 
@@ -18,14 +18,13 @@ use crate::Result;
 /// key 0. Parallel over (head, query) rows.
 pub(crate) fn ggml_plain(
     q: &Tensor,
-    keys: &Tensor,
-    values: &Tensor,
+    kv: &Kv,
     start: usize,
     key_start: usize,
     mask: Option<&Tensor>,
     simd: ggml::Simd,
 ) -> Result<Tensor> {
-    per_row(q, keys, values, start, mask, |rows, out| {
+    per_row(q, kv, start, mask, |rows, out| {
         let Shapes {
             q_len, dh, kv_len, ..
         } = *rows.shapes;

@@ -39,8 +39,9 @@ mod streaming;
 pub(crate) use batched::batched;
 pub(crate) use blocked::blocked;
 pub(crate) use ggml_plain::ggml_plain;
-pub(crate) use per_head::per_head;
-pub(crate) use single_query::{decode_rows, single_query, KvRows};
+pub(crate) use per_head::{per_head, store};
+pub(crate) use rows::{Kv, KvRows};
+pub(crate) use single_query::{decode_rows, single_query};
 pub(crate) use streaming::streaming;
 
 use candle_core::Tensor;
@@ -66,8 +67,7 @@ pub(crate) enum Path {
 /// `key_start`, an additive `mask` `(n_heads, q, kv_len)`, or `causal` (for [`batched`]).
 pub(crate) struct Inputs<'a> {
     pub q: &'a Tensor,
-    pub keys: &'a Tensor,
-    pub values: &'a Tensor,
+    pub kv: Kv<'a>,
     pub offset: usize,
     pub key_start: usize,
     pub mask: Option<&'a Tensor>,
@@ -95,31 +95,36 @@ impl Path {
     /// The head outputs `(n_heads, q, d_head)` and, when `want_probs`, the attention
     /// probabilities `(n_heads, q, kv_len)`.
     pub(crate) fn attend(self, x: &Inputs, want_probs: bool) -> Result<(Tensor, Option<Tensor>)> {
-        let q_len = x.q.dim(1)?;
+        let (q_len, dh) = (x.q.dim(1)?, x.q.dim(2)?);
+        let batched = || -> Result<(Tensor, Tensor)> {
+            let (keys, values) = x.kv.tensors(dh)?;
+            batched(x.q, &keys, &values, x.mask, x.causal)
+        };
         let probs = |path_probs: Option<Tensor>| -> Result<Option<Tensor>> {
             Ok(match (want_probs, path_probs) {
                 (false, _) => None,
                 (true, Some(p)) => Some(p),
-                (true, None) => Some(batched(x.q, x.keys, x.values, x.mask, x.causal)?.1),
+                (true, None) => Some(batched()?.1),
             })
         };
         match self {
-            Path::Fast if q_len == 1 => single_query(x.q, x.keys, x.values, x.mask, want_probs),
+            Path::Fast if q_len == 1 => single_query(x.q, &x.kv, x.mask, want_probs),
             Path::Fast if self.blocks(q_len, want_probs) => {
-                let out = blocked(x.q, x.keys, x.values, x.offset, x.mask, x.window)?;
+                let (keys, values) = x.kv.tensors(dh)?;
+                let out = blocked(x.q, &keys, &values, x.offset, x.mask, x.window)?;
                 Ok((out, None))
             }
             Path::Fast => {
-                let (out, p) = batched(x.q, x.keys, x.values, x.mask, x.causal)?;
+                let (out, p) = batched()?;
                 Ok((out, probs(Some(p))?))
             }
             Path::Streaming => {
                 let p = probs(None)?;
-                Ok((streaming(x.q, x.keys, x.values, x.offset, x.mask)?, p))
+                Ok((streaming(x.q, &x.kv, x.offset, x.mask)?, p))
             }
             Path::Ggml(simd) => {
                 let p = probs(None)?;
-                let out = ggml_plain(x.q, x.keys, x.values, x.offset, x.key_start, x.mask, simd)?;
+                let out = ggml_plain(x.q, &x.kv, x.offset, x.key_start, x.mask, simd)?;
                 Ok((out, p))
             }
         }
@@ -190,6 +195,10 @@ mod tests {
         }
     }
 
+    fn tensors<'a>(keys: &'a Tensor, values: &'a Tensor) -> Kv<'a> {
+        Kv::Tensors { keys, values }
+    }
+
     fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
         (a - b)
             .unwrap()
@@ -208,11 +217,11 @@ mod tests {
             let q = Tensor::randn(0f32, 1.0, (nh, 1, 64), &Device::Cpu).unwrap();
             let k = Tensor::randn(0f32, 1.0, (nkv, kv_len, 64), &Device::Cpu).unwrap();
             let v = Tensor::randn(0f32, 1.0, (nkv, kv_len, 64), &Device::Cpu).unwrap();
-            let (o1, p1) = single_query(&q, &k, &v, None, true).unwrap();
+            let (o1, p1) = single_query(&q, &tensors(&k, &v), None, true).unwrap();
             let (o2, p2) = batched(&q, &k, &v, None, None).unwrap();
             assert!(max_diff(&o1, &o2) < 1e-5, "{nh}/{nkv}/{kv_len}");
             assert!(max_diff(&p1.unwrap(), &p2) < 1e-6, "{nh}/{nkv}/{kv_len}");
-            let (o3, none) = single_query(&q, &k, &v, None, false).unwrap();
+            let (o3, none) = single_query(&q, &tensors(&k, &v), None, false).unwrap();
             assert!(none.is_none() && max_diff(&o1, &o3) == 0.0);
         }
     }
@@ -254,12 +263,12 @@ mod tests {
             let v = Tensor::randn(0f32, 1.0, (nkv, kv_len, 64), &Device::Cpu).unwrap();
             let shape = (nh, q_len, kv_len);
             let mask = full_mask(shape, start, window, 0.0);
-            let want = streaming(&q, &k, &v, start, Some(&mask)).unwrap();
+            let want = streaming(&q, &tensors(&k, &v), start, Some(&mask)).unwrap();
             let got = blocked(&q, &k, &v, start, None, window).unwrap();
             let case = format!("{nh}/{nkv}/{q_len}/{start}/{window:?}");
             assert!(max_diff(&got, &want) < 1e-5, "{case}");
             let biased = full_mask(shape, start, window, 0.3);
-            let want = streaming(&q, &k, &v, start, Some(&biased)).unwrap();
+            let want = streaming(&q, &tensors(&k, &v), start, Some(&biased)).unwrap();
             let given = blocked(&q, &k, &v, start, Some(&biased), window).unwrap();
             assert!(max_diff(&given, &want) < 1e-5, "{case}");
             assert!(max_diff(&given, &got) > 1e-3, "{case}: the bias is used");
@@ -284,14 +293,79 @@ mod tests {
             let (want, _) = batched(&q, &k, &v, Some(&mask), None).unwrap();
             for simd in [ggml::Simd::Avx2, ggml::Simd::Avx512] {
                 let case = format!("{simd:?} {nh}/{nkv}/{q_len}/{start}/{window:?}");
-                let got = ggml_plain(&q, &k, &v, start, 0, Some(&mask), simd).unwrap();
+                let got = ggml_plain(&q, &tensors(&k, &v), start, 0, Some(&mask), simd).unwrap();
                 assert!(max_diff(&got, &want) < 1e-5, "{case}");
                 if window.is_none() && bias == 0.0 {
-                    let causal = ggml_plain(&q, &k, &v, start, 0, None, simd).unwrap();
+                    let causal = ggml_plain(&q, &tensors(&k, &v), start, 0, None, simd).unwrap();
                     assert_eq!(max_diff(&causal, &got), 0.0, "{case}: None is causal");
                 }
-                let shifted = ggml_plain(&q, &k, &v, start, 7, Some(&mask), simd).unwrap();
+                let shifted =
+                    ggml_plain(&q, &tensors(&k, &v), start, 7, Some(&mask), simd).unwrap();
                 assert!(max_diff(&shifted, &got) < 1e-6, "{case}");
+            }
+        }
+    }
+
+    #[test]
+    fn rows_read_in_place_give_the_bits_of_tensors() {
+        // Every path over each KV head's rows in two parts (a ring read oldest first, a
+        // shared prefix) against the same keys as tensors: a decode step and a prefill.
+        let (nh, nkv, kv_len, dh) = (6, 2, 70, 16);
+        let k = Tensor::randn(0f32, 1.0, (nkv, kv_len, dh), &Device::Cpu).unwrap();
+        let v = Tensor::randn(0f32, 1.0, (nkv, kv_len, dh), &Device::Cpu).unwrap();
+        let (kd, vd) = (k.to_vec3::<f32>().unwrap(), v.to_vec3::<f32>().unwrap());
+        let flat = |t: &[Vec<f32>]| t.concat();
+        let (kf, vf): (Vec<Vec<f32>>, Vec<Vec<f32>>) = (
+            kd.iter().map(|h| flat(h)).collect(),
+            vd.iter().map(|h| flat(h)).collect(),
+        );
+        let split = 29 * dh;
+        let heads: Vec<KvRows> = (0..nkv)
+            .map(|h| {
+                let (k0, k1) = kf[h].split_at(split);
+                let (v0, v1) = vf[h].split_at(split);
+                KvRows::parts([k0, k1], [v0, v1], dh)
+            })
+            .collect();
+        let rows = Kv::Rows(&heads);
+        let (kt, vt) = rows.tensors(dh).unwrap();
+        assert_eq!(max_diff(&kt, &k) + max_diff(&vt, &v), 0.0);
+        let paths = [
+            Path::Fast,
+            Path::Streaming,
+            Path::Ggml(ggml::Simd::Avx2),
+            Path::Ggml(ggml::Simd::Avx512),
+        ];
+        for q_len in [1, 9] {
+            let q = Tensor::randn(0f32, 1.0, (nh, q_len, dh), &Device::Cpu).unwrap();
+            let start = kv_len - q_len;
+            let causal = (q_len > 1).then(|| {
+                let m = full_mask((1, q_len, kv_len), start, None, 0.0);
+                m.squeeze(0).unwrap()
+            });
+            for path in paths {
+                for want_probs in [false, true] {
+                    let run = |kv: Kv| {
+                        let x = Inputs {
+                            q: &q,
+                            kv,
+                            offset: start,
+                            key_start: 0,
+                            mask: None,
+                            causal: causal.as_ref(),
+                            window: None,
+                        };
+                        path.attend(&x, want_probs).unwrap()
+                    };
+                    let (a, pa) = run(rows);
+                    let (b, pb) = run(tensors(&k, &v));
+                    let case = format!("{path:?} q {q_len} probs {want_probs}");
+                    assert_eq!(max_diff(&a, &b), 0.0, "{case}");
+                    assert_eq!(pa.is_some(), want_probs, "{case}");
+                    if let (Some(pa), Some(pb)) = (pa, pb) {
+                        assert_eq!(max_diff(&pa, &pb), 0.0, "{case}");
+                    }
+                }
             }
         }
     }
@@ -314,7 +388,7 @@ mod tests {
             })
             .collect();
         let mask = Tensor::from_vec(mask, (nh, 1, kv_len), &Device::Cpu).unwrap();
-        let (o1, p1) = single_query(&q, &k, &v, Some(&mask), true).unwrap();
+        let (o1, p1) = single_query(&q, &tensors(&k, &v), Some(&mask), true).unwrap();
         let (o2, p2) = batched(&q, &k, &v, Some(&mask), None).unwrap();
         let p1 = p1.unwrap();
         assert!(max_diff(&o1, &o2) < 1e-5 && max_diff(&p1, &p2) < 1e-6);

@@ -37,11 +37,7 @@ pub(crate) fn per_head(
     let new_k = keys.to_vec3::<f32>()?;
     let new_v = values.to_vec3::<f32>()?;
     if q_len == 1 {
-        for h in 0..nkv {
-            cache
-                .store_mut(layer, h)
-                .push(start, &new_k[h][0], &new_v[h][0]);
-        }
+        store(cache, layer, start, &new_k, &new_v);
         let len = start + 1;
         let (stores, active) = cache.layer(layer);
         let reads: Vec<(Parts, Parts)> = stores
@@ -124,13 +120,25 @@ pub(crate) fn per_head(
         };
         outs.push(out);
     }
-    for h in 0..nkv {
+    store(cache, layer, start, &new_k, &new_v);
+    Ok((Tensor::cat(&outs, 0)?, None))
+}
+
+/// Store the keys and values `[kv_head][t][d_head]` of positions `start..` in `layer`'s
+/// stores of `cache`.
+pub(crate) fn store(
+    cache: &mut HeadCache,
+    layer: usize,
+    start: usize,
+    keys: &[Vec<Vec<f32>>],
+    values: &[Vec<Vec<f32>>],
+) {
+    for (h, (k, v)) in keys.iter().zip(values).enumerate() {
         let store = cache.store_mut(layer, h);
-        for t in 0..q_len {
-            store.push(start + t, &new_k[h][t], &new_v[h][t]);
+        for (t, (k, v)) in k.iter().zip(v).enumerate() {
+            store.push(start + t, k, v);
         }
     }
-    Ok((Tensor::cat(&outs, 0)?, None))
 }
 
 /// The additive mask `(q, n)` of a prefill chunk: query `start + t` sees the key at

@@ -1,8 +1,158 @@
-//! The operands of one attention call borrowed as rows, shared by the loop kernels.
+//! The operands of one attention call borrowed as rows, shared by the loop kernels:
+//! each KV head's keys and values as [`KvRows`], read in place from a cache's stores or
+//! from `(n_kv_heads, kv_len, d_head)` tensors ([`Kv`]).
 
 use candle_core::{Device, Storage, Tensor};
 
 use crate::{Error, Result};
+
+/// One KV head's stored rows: `len` key rows and `len` value rows of
+/// `d_head` floats each, row-major, in two parts one after the other (rows shared with
+/// other caches, then the head's own; the first part is empty for a plain cache).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct KvRows<'a> {
+    keys: [&'a [f32]; 2],
+    values: [&'a [f32]; 2],
+    /// Rows in the first part.
+    split: usize,
+    len: usize,
+}
+
+impl<'a> KvRows<'a> {
+    /// `len` rows of `d_head` floats in one run each.
+    pub(crate) fn contiguous(keys: &'a [f32], values: &'a [f32], d_head: usize) -> Self {
+        Self::parts([&[], keys], [&[], values], d_head)
+    }
+
+    /// Rows in two parts each, keys and values split alike.
+    ///
+    /// Panics if the parts are not whole rows or keys and values split differently.
+    pub(crate) fn parts(keys: [&'a [f32]; 2], values: [&'a [f32]; 2], d_head: usize) -> Self {
+        assert!(
+            keys.iter().chain(&values).all(|p| p.len() % d_head == 0)
+                && keys[0].len() == values[0].len()
+                && keys[1].len() == values[1].len(),
+            "key and value parts of whole rows, split alike"
+        );
+        Self {
+            keys,
+            values,
+            split: keys[0].len() / d_head,
+            len: (keys[0].len() + keys[1].len()) / d_head,
+        }
+    }
+
+    /// Rows held.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Key row `j` (`dh` floats).
+    #[inline(always)]
+    pub(crate) fn key(&self, j: usize, dh: usize) -> &'a [f32] {
+        Self::row(self.keys, self.split, j, dh)
+    }
+
+    /// Value row `j` (`dh` floats).
+    #[inline(always)]
+    pub(crate) fn value(&self, j: usize, dh: usize) -> &'a [f32] {
+        Self::row(self.values, self.split, j, dh)
+    }
+
+    #[inline(always)]
+    fn row(parts: [&'a [f32]; 2], split: usize, j: usize, dh: usize) -> &'a [f32] {
+        if j < split {
+            &parts[0][j * dh..][..dh]
+        } else {
+            &parts[1][(j - split) * dh..][..dh]
+        }
+    }
+}
+
+/// The keys and values of one attention call, as the caller holds them: tensors
+/// `(n_kv_heads, kv_len, d_head)` (last dim contiguous), or each KV head's rows in place
+/// (a cache's stores, every head the same number of rows). The loop kernels read rows,
+/// the matrix-product kernels tensors; each form gives the other without a change in
+/// the floats.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Kv<'a> {
+    Tensors {
+        keys: &'a Tensor,
+        values: &'a Tensor,
+    },
+    Rows(&'a [KvRows<'a>]),
+}
+
+impl Kv<'_> {
+    /// `(n_kv_heads, kv_len)`.
+    pub(crate) fn dims(&self) -> Result<(usize, usize)> {
+        match self {
+            Kv::Tensors { keys, .. } => {
+                let (nkv, kv_len, _) = keys.dims3()?;
+                Ok((nkv, kv_len))
+            }
+            Kv::Rows(heads) => {
+                let kv_len = heads.first().map_or(0, KvRows::len);
+                if heads.iter().any(|h| h.len() != kv_len) {
+                    return Err(Error::invalid(
+                        "attention",
+                        "every KV head must hold the same rows",
+                    ));
+                }
+                Ok((heads.len(), kv_len))
+            }
+        }
+    }
+
+    /// Run `f` over each KV head's rows of `dh` floats (borrowed, not copied).
+    pub(crate) fn with_rows<R>(
+        &self,
+        dh: usize,
+        f: impl FnOnce(&[KvRows]) -> Result<R>,
+    ) -> Result<R> {
+        let (keys, values) = match self {
+            Kv::Rows(heads) => return f(heads),
+            Kv::Tensors { keys, values } => (keys, values),
+        };
+        let (nkv, kv_len) = self.dims()?;
+        with_data(keys, |kd, ks| {
+            with_data(values, |vd, vs| {
+                if ks[1..] != [dh, 1] || vs[1..] != [dh, 1] {
+                    return Err(Error::invalid("attention", "key rows must be contiguous"));
+                }
+                let heads: Vec<KvRows> = (0..nkv)
+                    .map(|h| {
+                        KvRows::contiguous(
+                            &kd[h * ks[0]..][..kv_len * dh],
+                            &vd[h * vs[0]..][..kv_len * dh],
+                            dh,
+                        )
+                    })
+                    .collect();
+                f(&heads)
+            })
+        })
+    }
+
+    /// Keys and values as tensors `(n_kv_heads, kv_len, d_head)` (rows copied).
+    pub(crate) fn tensors(&self, dh: usize) -> Result<(Tensor, Tensor)> {
+        let heads = match self {
+            Kv::Tensors { keys, values } => return Ok(((*keys).clone(), (*values).clone())),
+            Kv::Rows(heads) => heads,
+        };
+        let (nkv, kv_len) = self.dims()?;
+        let gather = |keys: bool| -> Result<Tensor> {
+            let mut all = Vec::with_capacity(nkv * kv_len * dh);
+            for h in heads.iter() {
+                for j in 0..kv_len {
+                    all.extend_from_slice(if keys { h.key(j, dh) } else { h.value(j, dh) });
+                }
+            }
+            Ok(Tensor::from_vec(all, (nkv, kv_len, dh), &Device::Cpu)?)
+        };
+        Ok((gather(true)?, gather(false)?))
+    }
+}
 
 /// Sizes shared by the loop kernels.
 #[derive(Debug, Clone, Copy)]
@@ -18,9 +168,10 @@ pub(super) struct Shapes {
 }
 
 impl Shapes {
-    pub(super) fn of(q: &Tensor, keys: &Tensor) -> Result<Self> {
+    /// Queries `q` `(n_heads, q, d_head)` over `kv`.
+    pub(super) fn of(q: &Tensor, kv: &Kv) -> Result<Self> {
         let (nh, q_len, dh) = q.dims3()?;
-        let (nkv, kv_len, _) = keys.dims3()?;
+        let (nkv, kv_len) = kv.dims()?;
         Ok(Self {
             nh,
             q_len,
@@ -54,8 +205,8 @@ pub(super) fn with_data<R>(t: &Tensor, f: impl FnOnce(&[f32], &[usize]) -> Resul
 pub(super) struct Rows<'a> {
     pub(super) shapes: &'a Shapes,
     pub(super) q: &'a [f32],
-    pub(super) k: (&'a [f32], &'a [usize]),
-    pub(super) v: (&'a [f32], &'a [usize]),
+    /// Per KV head.
+    pub(super) heads: &'a [KvRows<'a>],
     pub(super) mask: Option<&'a [f32]>,
     /// The first query's offset from key 0 (for the causal rule without a mask).
     pub(super) start: usize,
@@ -68,11 +219,6 @@ impl Rows<'_> {
         &self.q[i * dh..(i + 1) * dh]
     }
 
-    fn at<'b>(&self, (data, st): (&'b [f32], &[usize]), kvh: usize, j: usize) -> &'b [f32] {
-        let b = kvh * st[0] + j * st[1];
-        &data[b..b + self.shapes.dh]
-    }
-
     /// The KV head that query row `i = head * q_len + t` reads.
     pub(super) fn kv_head(&self, i: usize) -> usize {
         i / self.shapes.q_len / self.shapes.group
@@ -80,12 +226,12 @@ impl Rows<'_> {
 
     /// Key `j` of KV head `kvh`.
     pub(super) fn key(&self, kvh: usize, j: usize) -> &[f32] {
-        self.at(self.k, kvh, j)
+        self.heads[kvh].key(j, self.shapes.dh)
     }
 
     /// Value `j` of KV head `kvh`.
     pub(super) fn value(&self, kvh: usize, j: usize) -> &[f32] {
-        self.at(self.v, kvh, j)
+        self.heads[kvh].value(j, self.shapes.dh)
     }
 
     /// Additive bias of key `j` for query row `i`: the mask's, or causal.
@@ -98,35 +244,31 @@ impl Rows<'_> {
     }
 }
 
-/// Run `kernel(rows, out)` over `q`, `keys`, `values` and `mask` borrowed as [`Rows`],
-/// with `out` `(n_heads * q * d_head)` zeroed; returns `out` as `(n_heads, q, d_head)`.
+/// Run `kernel(rows, out)` over `q`, `kv` and `mask` borrowed as [`Rows`], with `out`
+/// `(n_heads * q * d_head)` zeroed; returns `out` as `(n_heads, q, d_head)`.
 pub(super) fn per_row(
     q: &Tensor,
-    keys: &Tensor,
-    values: &Tensor,
+    kv: &Kv,
     start: usize,
     mask: Option<&Tensor>,
     kernel: impl FnOnce(&Rows, &mut [f32]),
 ) -> Result<Tensor> {
-    let shapes = Shapes::of(q, keys)?;
+    let shapes = Shapes::of(q, kv)?;
     let (nh, q_len, dh) = (shapes.nh, shapes.q_len, shapes.dh);
     let q = q.contiguous()?;
     let mask = mask_values(mask)?;
     let mut out = vec![0f32; nh * q_len * dh];
     with_data(&q, |qd, _| {
-        with_data(keys, |kd, ks| {
-            with_data(values, |vd, vs| {
-                let rows = Rows {
-                    shapes: &shapes,
-                    q: qd,
-                    k: (kd, ks),
-                    v: (vd, vs),
-                    mask: mask.as_deref(),
-                    start,
-                };
-                kernel(&rows, &mut out);
-                Ok(())
-            })
+        kv.with_rows(dh, |heads| {
+            let rows = Rows {
+                shapes: &shapes,
+                q: qd,
+                heads,
+                mask: mask.as_deref(),
+                start,
+            };
+            kernel(&rows, &mut out);
+            Ok(())
         })
     })?;
     Ok(Tensor::from_vec(out, (nh, q_len, dh), &Device::Cpu)?)

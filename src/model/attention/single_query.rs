@@ -7,10 +7,10 @@
 use candle_core::{Device, Tensor};
 use rayon::prelude::*;
 
-use super::rows::{mask_values, with_data, Shapes};
+use super::rows::{mask_values, with_data, Kv, KvRows, Shapes};
 use crate::model::numerics::fast_exp;
 use crate::model::numerics::kernels::Isa;
-use crate::{Error, Result};
+use crate::Result;
 
 /// Run `f`, a closure over `#[inline(always)]` functions of plain loops, compiled for the
 /// widest vectors `isa` allows (the portable build target if the CPU lacks it): the loops
@@ -76,104 +76,24 @@ pub(super) fn dot_lanes(a: &[f32], b: &[f32]) -> f32 {
 /// costs more than it balances.
 const MIN_PART: usize = 64;
 
-/// One KV head's stored rows for a decode step: `len` key rows and `len` value rows of
-/// `d_head` floats each, row-major, in two parts one after the other (rows shared with
-/// other caches, then the head's own; the first part is empty for a plain cache).
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct KvRows<'a> {
-    keys: [&'a [f32]; 2],
-    values: [&'a [f32]; 2],
-    /// Rows in the first part.
-    split: usize,
-    len: usize,
-}
-
-impl<'a> KvRows<'a> {
-    /// `len` rows of `d_head` floats in one run each.
-    pub(crate) fn contiguous(keys: &'a [f32], values: &'a [f32], d_head: usize) -> Self {
-        Self::parts([&[], keys], [&[], values], d_head)
-    }
-
-    /// Rows in two parts each, keys and values split alike.
-    ///
-    /// Panics if the parts are not whole rows or keys and values split differently.
-    pub(crate) fn parts(keys: [&'a [f32]; 2], values: [&'a [f32]; 2], d_head: usize) -> Self {
-        assert!(
-            keys.iter().chain(&values).all(|p| p.len() % d_head == 0)
-                && keys[0].len() == values[0].len()
-                && keys[1].len() == values[1].len(),
-            "key and value parts of whole rows, split alike"
-        );
-        Self {
-            keys,
-            values,
-            split: keys[0].len() / d_head,
-            len: (keys[0].len() + keys[1].len()) / d_head,
-        }
-    }
-
-    /// Key row `j` (`dh` floats).
-    #[inline(always)]
-    pub(crate) fn key(&self, j: usize, dh: usize) -> &'a [f32] {
-        Self::row(self.keys, self.split, j, dh)
-    }
-
-    /// Value row `j` (`dh` floats).
-    #[inline(always)]
-    fn value(&self, j: usize, dh: usize) -> &'a [f32] {
-        Self::row(self.values, self.split, j, dh)
-    }
-
-    #[inline(always)]
-    fn row(parts: [&'a [f32]; 2], split: usize, j: usize, dh: usize) -> &'a [f32] {
-        if j < split {
-            &parts[0][j * dh..][..dh]
-        } else {
-            &parts[1][(j - split) * dh..][..dh]
-        }
-    }
-}
-
 /// Attention of one query position per head (a decode step): `(n_heads, 1, d_head)` and,
 /// when `want_probs`, the probabilities `(n_heads, 1, kv_len)`. A tensor front end to
 /// [`decode_rows`].
 pub(crate) fn single_query(
     q: &Tensor,
-    keys: &Tensor,
-    values: &Tensor,
+    kv: &Kv,
     mask: Option<&Tensor>,
     want_probs: bool,
 ) -> Result<(Tensor, Option<Tensor>)> {
-    let Shapes {
-        nh,
-        dh,
-        kv_len,
-        group,
-        ..
-    } = Shapes::of(q, keys)?;
-    let nkv = nh / group;
+    let Shapes { nh, dh, kv_len, .. } = Shapes::of(q, kv)?;
     let q = q.contiguous()?;
     let mask = mask_values(mask)?;
     let masks: Vec<Option<&[f32]>> = (0..nh)
         .map(|h| mask.as_ref().map(|m| &m[h * kv_len..(h + 1) * kv_len]))
         .collect();
     let (out, probs) = with_data(&q, |qd, _| {
-        with_data(keys, |kd, ks| {
-            with_data(values, |vd, vs| {
-                if ks[1..] != [dh, 1] || vs[1..] != [dh, 1] {
-                    return Err(Error::invalid("attention", "key rows must be contiguous"));
-                }
-                let heads: Vec<KvRows> = (0..nkv)
-                    .map(|h| {
-                        KvRows::contiguous(
-                            &kd[h * ks[0]..][..kv_len * dh],
-                            &vd[h * vs[0]..][..kv_len * dh],
-                            dh,
-                        )
-                    })
-                    .collect();
-                Ok(decode_rows(&qd[..nh * dh], dh, &heads, &masks, want_probs))
-            })
+        kv.with_rows(dh, |heads| {
+            Ok(decode_rows(&qd[..nh * dh], dh, heads, &masks, want_probs))
         })
     })?;
     let out = Tensor::from_vec(out, (nh, 1, dh), &Device::Cpu)?;
@@ -234,11 +154,11 @@ pub(super) fn decode_rows_on(
     for (kv_head, rows) in heads.iter().enumerate() {
         let parts = (2 * rayon::current_num_threads())
             .div_ceil(nkv)
-            .min(rows.len.div_ceil(MIN_PART))
+            .min(rows.len().div_ceil(MIN_PART))
             .max(1);
-        let span = rows.len.div_ceil(parts);
+        let span = rows.len().div_ceil(parts);
         for part in 0..parts {
-            let keys = (part * span).min(rows.len)..((part + 1) * span).min(rows.len);
+            let keys = (part * span).min(rows.len())..((part + 1) * span).min(rows.len());
             tasks.push(Task {
                 kv_head,
                 weights: vec![0f32; group * keys.len()],
@@ -263,7 +183,7 @@ pub(super) fn decode_rows_on(
     let mut out = vec![0f32; nh * dh];
     let mut probs = want_probs.then(|| {
         (0..nh)
-            .map(|h| vec![0f32; heads[h / group].len])
+            .map(|h| vec![0f32; heads[h / group].len()])
             .collect::<Vec<_>>()
     });
     let mut first = 0;

@@ -2,7 +2,7 @@
 
 use candle_core::Tensor;
 
-use super::rows::{per_row, Shapes};
+use super::rows::{per_row, Kv, Shapes};
 use crate::Result;
 
 /// Keys per tile in the single-query path.
@@ -94,12 +94,11 @@ impl Online {
 /// Attention by online softmax in mistral.rs's arithmetic order (see the module docs).
 pub(crate) fn streaming(
     q: &Tensor,
-    keys: &Tensor,
-    values: &Tensor,
+    kv: &Kv,
     start: usize,
     mask: Option<&Tensor>,
 ) -> Result<Tensor> {
-    per_row(q, keys, values, start, mask, |rows, out| {
+    per_row(q, kv, start, mask, |rows, out| {
         let Shapes {
             q_len, dh, kv_len, ..
         } = *rows.shapes;

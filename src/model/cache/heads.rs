@@ -1,5 +1,6 @@
-//! A KV cache that stores every (layer, KV head) separately ([`HeadStore`]), so that
-//! heads can keep different amounts of history and the memory saved is real.
+//! The KV cache: every (layer, KV head) stored separately ([`HeadStore`]), so that heads
+//! can keep different amounts of history and the memory saved is real. The plain cache
+//! ([`HeadCache::plain`]) is the case where every store keeps every position.
 //!
 //! Layers with the model's own sliding window (Gemma 3's local layers) always keep just
 //! that window (`Stream { sink: 0, window }`), whatever was asked for them. Besides the
@@ -10,8 +11,8 @@
 use serde::{Deserialize, Serialize};
 
 use crate::model::cache::rows::RowFormat;
-use crate::model::cache::store::{HeadStore, KvBytes, Readable, Retention};
-use crate::model::{Config, KvCache};
+use crate::model::cache::store::{HeadStore, KvBytes, Parts, Readable, Retention};
+use crate::model::Config;
 use crate::{Error, Result};
 
 /// Restrict a query head, at decode steps, to its `k` highest-scoring keys plus the
@@ -30,6 +31,8 @@ pub struct HeadCache {
     stores: Vec<HeadStore>,
     n_kv_heads: usize,
     n_heads: usize,
+    /// Per layer: the model's sliding window, if the layer has one.
+    windows: Vec<Option<usize>>,
     len: usize,
     /// Positions the stores were sized for (prompt plus new tokens).
     capacity: usize,
@@ -52,23 +55,39 @@ impl HeadCache {
         format: RowFormat,
         capacity: usize,
     ) -> Result<Self> {
+        Ok(Self::with_stores(
+            cfg,
+            effective(cfg, retention)?,
+            format,
+            capacity,
+        ))
+    }
+
+    /// The cache of [`HeadCache::new`] for retentions already made effective.
+    fn with_stores(
+        cfg: &Config,
+        retention: Vec<Retention>,
+        format: RowFormat,
+        capacity: usize,
+    ) -> Self {
         let n = cfg.n_layers * cfg.n_kv_heads;
         let capacity = capacity.clamp(1, cfg.context_length);
-        let stores = effective(cfg, retention)?
+        let stores = retention
             .into_iter()
             .map(|r| HeadStore::new(r, format, cfg.d_head, capacity))
             .collect();
-        Ok(Self {
+        Self {
             stores,
             n_kv_heads: cfg.n_kv_heads,
             n_heads: cfg.n_heads,
+            windows: (0..cfg.n_layers).map(|l| cfg.layer(l).window).collect(),
             len: 0,
             capacity,
             max_len: cfg.context_length,
             active: vec![false; n],
             topk: vec![None; cfg.n_layers * cfg.n_heads],
             peak: KvBytes::default(),
-        })
+        }
     }
 
     /// The bytes [`HeadCache::new`] would allocate for these arguments (full stores
@@ -88,12 +107,25 @@ impl HeadCache {
             .sum())
     }
 
-    /// A cache holding what `kv` holds (a prefill run with the plain cache) as `format`,
-    /// each head then keeping only what its retention allows ("full prefill, then
-    /// evict").
-    pub fn from_kv(
+    /// The plain cache for `capacity` expected positions: every store keeps every
+    /// position as f32 (a sliding-window layer its window), so attention reads it as one
+    /// run of keys per head in the model's own numerics.
+    pub fn plain(cfg: &Config, capacity: usize) -> Self {
+        let retention = (0..cfg.n_layers * cfg.n_kv_heads)
+            .map(|i| match cfg.layer(i / cfg.n_kv_heads).window {
+                Some(window) => Retention::Stream { sink: 0, window },
+                None => Retention::Full,
+            })
+            .collect();
+        Self::with_stores(cfg, retention, RowFormat::F32, capacity)
+    }
+
+    /// A cache holding what this one holds (a prefill run with the plain cache) as
+    /// `format`, each head then keeping only what its retention allows ("full prefill,
+    /// then evict"). Every store of this cache must hold its positions in order.
+    pub fn retained(
+        &self,
         cfg: &Config,
-        kv: &KvCache,
         retention: &[Retention],
         format: RowFormat,
         capacity: usize,
@@ -101,25 +133,29 @@ impl HeadCache {
         let mut cache = Self::new(cfg, retention, format, capacity)?;
         let d = cfg.d_head;
         for layer in 0..cfg.n_layers {
-            let Some((keys, values, start)) = kv.layer_rows(layer)? else {
-                continue;
-            };
-            let (keys, values) = (keys.to_vec3::<f32>()?, values.to_vec3::<f32>()?);
             for kv_head in 0..cfg.n_kv_heads {
-                let store = &mut cache.stores[layer * cfg.n_kv_heads + kv_head];
+                let i = layer * cfg.n_kv_heads + kv_head;
+                let (keys, values) = self.stores[i]
+                    .in_order(self.len, self.windows[layer])
+                    .ok_or_else(|| {
+                        Error::invalid("cache", "only a plain cache can be retained anew")
+                    })?;
+                let (keys, values) = (keys.concat(), values.concat());
+                let rows = keys.len() / d;
+                let start = self.len - rows;
+                let store = &mut cache.stores[i];
                 if start > 0 && !matches!(store.retention, Retention::Stream { sink: 0, .. }) {
                     return Err(Error::invalid(
                         "cache",
                         format!("layer {layer} dropped positions a full store needs"),
                     ));
                 }
-                for (i, (k, v)) in keys[kv_head].iter().zip(&values[kv_head]).enumerate() {
-                    debug_assert_eq!(k.len(), d);
-                    store.push(start + i, k, v);
+                for (r, (k, v)) in keys.chunks_exact(d).zip(values.chunks_exact(d)).enumerate() {
+                    store.push(start + r, k, v);
                 }
             }
         }
-        cache.len = kv.len();
+        cache.len = self.len;
         cache.peak = cache.bytes();
         Ok(cache)
     }
@@ -152,6 +188,33 @@ impl HeadCache {
     /// Whether nothing is stored.
     pub fn is_empty(&self) -> bool {
         self.len == 0
+    }
+
+    /// Forget everything after the first `len` positions (e.g. to generate again from
+    /// there). Fails, changing nothing, if a store no longer holds a position it would
+    /// need: a ring that turned (a sliding-window layer's after its window) or a store a
+    /// press evicted from.
+    pub fn truncate(&mut self, len: usize) -> Result<()> {
+        if len >= self.len {
+            return Ok(());
+        }
+        if let Some(i) = self.stores.iter().position(|s| !s.can_rewind(self.len)) {
+            return Err(Error::invalid(
+                "truncate",
+                format!(
+                    "layer {} KV head {} no longer holds every position up to {}: cannot \
+                     rewind to {len}",
+                    i / self.n_kv_heads,
+                    i % self.n_kv_heads,
+                    self.len
+                ),
+            ));
+        }
+        for store in &mut self.stores {
+            store.truncate(len);
+        }
+        self.len = len;
+        Ok(())
     }
 
     /// Mark which tiered KV heads read their cold tier at the next steps
@@ -249,6 +312,30 @@ impl HeadCache {
             ));
         }
         Ok(())
+    }
+
+    /// Whether every store of `layer` holds a run of consecutive positions ending at the
+    /// last one ([`HeadStore::in_order`]) and no query head of it has a top-k: the
+    /// layer reads like a plain cache.
+    pub(crate) fn reads_in_order(&self, layer: usize) -> bool {
+        let (stores, _) = self.layer(layer);
+        stores.iter().all(|s| s.holds_in_order(self.windows[layer]))
+            && (0..self.n_heads).all(|h| self.topk(layer, h).is_none())
+    }
+
+    /// Whether every layer reads like a plain cache ([`HeadCache::reads_in_order`]).
+    pub fn is_plain(&self) -> bool {
+        (0..self.windows.len()).all(|l| self.reads_in_order(l))
+    }
+
+    /// Each KV head's keys and values of `layer` in position order, given `len` stored
+    /// positions; `None` unless the layer [reads in order](HeadCache::reads_in_order).
+    pub(crate) fn in_order(&self, layer: usize, len: usize) -> Option<Vec<(Parts<'_>, Parts<'_>)>> {
+        let (stores, _) = self.layer(layer);
+        stores
+            .iter()
+            .map(|s| s.in_order(len, self.windows[layer]))
+            .collect()
     }
 
     /// The stores of `layer` (one per KV head) and whether each reads its cold tier.
@@ -363,6 +450,61 @@ mod tests {
             cache.commit(1);
         }
         cache
+    }
+
+    #[test]
+    fn a_plain_cache_reads_in_order_and_is_retained_as_a_policy_asks() {
+        let mut gemma = tiny();
+        gemma.sliding_window = Some(SlidingWindow {
+            size: 3,
+            global_every: 2,
+            local_rope_base: 1e4,
+        });
+        let n = gemma.n_layers * gemma.n_kv_heads;
+        let full = vec![Retention::Full; n];
+        let plain = filled(&gemma, &full, RowFormat::F32, 8, 6);
+        assert!(plain.is_plain());
+        let ring = Retention::Stream { sink: 1, window: 2 };
+        let policy = plain
+            .retained(&gemma, &vec![ring; n], RowFormat::F32, 8)
+            .unwrap();
+        assert!(!policy.is_plain());
+        // Windowed layers hold their window whatever was asked; the others the ring.
+        for layer in 0..gemma.n_layers {
+            let window = gemma.layer(layer).window;
+            assert_eq!(
+                policy.reads_in_order(layer),
+                window.is_some(),
+                "layer {layer}"
+            );
+            let (stores, _) = policy.layer(layer);
+            let want: Vec<usize> = match window {
+                Some(w) => (6 - w..6).collect(),
+                None => vec![0, 4, 5],
+            };
+            let mut held = stores[0].readable_positions(6, false);
+            held.sort_unstable();
+            assert_eq!(held, want, "layer {layer}");
+        }
+        // A top-k on one query head makes its layer read per head.
+        let mut topk = plain.clone();
+        let tk = TopK {
+            k: 1,
+            sink: 0,
+            window: 1,
+        };
+        topk.set_topk(1, 0, Some(tk)).unwrap();
+        assert!(topk.reads_in_order(0) && !topk.reads_in_order(1) && !topk.is_plain());
+        // Rewinding past a windowed layer's turned ring fails and changes nothing.
+        let mut rewound = plain.clone();
+        let err = rewound.truncate(2).unwrap_err().to_string();
+        assert!(err.contains("cannot rewind"), "{err}");
+        assert_eq!(rewound.len(), 6);
+        rewound.truncate(6).unwrap();
+        let mut plain = filled(&tiny(), &vec![Retention::Full; n], RowFormat::F32, 8, 6);
+        plain.truncate(2).unwrap();
+        assert_eq!(plain.len(), 2);
+        assert_eq!(plain.layer(0).0[0].readable_positions(2, false), vec![0, 1]);
     }
 
     #[test]

@@ -210,6 +210,11 @@ impl Rows {
         self.data.format()
     }
 
+    /// Values per row.
+    pub(crate) fn d(&self) -> usize {
+        self.d
+    }
+
     /// Rows held, shared ones included.
     pub(crate) fn len(&self) -> usize {
         self.shared_rows() + self.data.rows(self.d)
@@ -237,6 +242,24 @@ impl Rows {
             .collect();
         self.shared = Some(Arc::new(Data::joined(&parts, d, 0)));
         self.data = Data::new(self.format(), d, room);
+    }
+
+    /// Keep only the first `rows` rows (a shared part cut short is copied first); the
+    /// room stays allocated.
+    pub(crate) fn truncate(&mut self, rows: usize) {
+        if rows < self.shared_rows() {
+            self.unshare();
+        }
+        let own = rows.saturating_sub(self.shared_rows());
+        let (d, blocks) = (self.d, self.d.div_ceil(Q8_BLOCK));
+        match &mut self.data {
+            Data::F32(v) => v.truncate(own * d),
+            Data::F16(v) => v.truncate(own * d),
+            Data::Q8 { q, d: scales } => {
+                q.truncate(own * d);
+                scales.truncate(own * blocks);
+            }
+        }
     }
 
     /// Own a copy of the shared rows (before a write into one of them).

@@ -90,6 +90,15 @@ fn joined(parts: Parts<'_>) -> Cow<'_, [f32]> {
     }
 }
 
+/// `parts` as one run read from float `at` on, then its first `at` floats (a ring read
+/// oldest first).
+fn turned(parts: Parts<'_>, at: usize) -> Parts<'_> {
+    match joined(parts) {
+        Cow::Borrowed(s) => [Cow::Borrowed(&s[at..]), Cow::Borrowed(&s[..at])],
+        Cow::Owned(v) => [Cow::Owned(v[at..].to_vec()), Cow::Owned(v[..at].to_vec())],
+    }
+}
+
 /// The stored rows of one KV head.
 #[derive(Debug, Clone)]
 pub(crate) struct HeadStore {
@@ -253,6 +262,39 @@ impl HeadStore {
         }
     }
 
+    /// Whether the store holds a run of consecutive positions ending at the last one: a
+    /// full store no press evicted from (every position), or a ring without sinks of
+    /// the layer's own sliding `window` (its last `window` positions).
+    pub(crate) fn holds_in_order(&self, window: Option<usize>) -> bool {
+        match self.retention {
+            Retention::Full => self.kept.is_none(),
+            Retention::Stream { sink: 0, window: w } => window == Some(w),
+            _ => false,
+        }
+    }
+
+    /// Keys and values in position order, given `len` stored positions, for a store that
+    /// [holds them in order](HeadStore::holds_in_order) (`None` for any other): a ring's
+    /// two halves read oldest first. Borrowed where stored as f32.
+    pub(crate) fn in_order(
+        &self,
+        len: usize,
+        window: Option<usize>,
+    ) -> Option<(Parts<'_>, Parts<'_>)> {
+        if !self.holds_in_order(window) {
+            return None;
+        }
+        let Some((_, w)) = self.ring() else {
+            return Some((self.keys.as_f32(), self.values.as_f32()));
+        };
+        // The oldest position held, `len - rows`, sits in slot `(len - rows) % w`.
+        let oldest = (len - self.rows()) % w * self.keys.d();
+        Some((
+            turned(self.keys.as_f32(), oldest),
+            turned(self.values.as_f32(), oldest),
+        ))
+    }
+
     /// [`HeadStore::parts`] as one run of keys and one of values.
     pub(crate) fn readable(&self, len: usize, active: bool) -> Readable<'_> {
         let (keys, values) = self.parts(len, active);
@@ -296,6 +338,26 @@ impl HeadStore {
         let mut positions = self.positions(len);
         positions.extend(self.cold_middle(len, active));
         positions
+    }
+
+    /// Whether [`HeadStore::truncate`] can go back to any position when `held` are
+    /// stored: a full store no press evicted from, or a ring that has not turned yet.
+    pub(crate) fn can_rewind(&self, held: usize) -> bool {
+        self.kept.is_none()
+            && self
+                .ring()
+                .is_none_or(|(sink, window)| held <= sink + window)
+    }
+
+    /// Forget the positions from `len` on (for a store that [can rewind](HeadStore::can_rewind)).
+    pub(crate) fn truncate(&mut self, len: usize) {
+        let rows = len.min(self.rows());
+        self.keys.truncate(rows);
+        self.values.truncate(rows);
+        if let Some((k, v)) = &mut self.cold {
+            k.truncate(len);
+            v.truncate(len);
+        }
     }
 
     /// Whether a press evicted from this store (its rows are not positions in order).
@@ -361,6 +423,60 @@ mod tests {
             assert_eq!(held, want, "len {len}");
         }
         assert_eq!(s.bytes().hot, 2 * 5 * 2 * 4);
+    }
+
+    #[test]
+    fn a_ring_of_the_layers_window_reads_its_positions_oldest_first() {
+        let window = Retention::Stream { sink: 0, window: 3 };
+        let (mut ring, mut full) = (store(window), store(Retention::Full));
+        for pos in 0..8 {
+            for s in [&mut ring, &mut full] {
+                s.push(pos, &[pos as f32, 1.0], &[1.0, pos as f32]);
+            }
+            let len = pos + 1;
+            for (s, first) in [(&ring, len.saturating_sub(3)), (&full, 0)] {
+                let (keys, values) = s.in_order(len, Some(3)).unwrap();
+                let (keys, values) = (keys.concat(), values.concat());
+                let want: Vec<f32> = (first..len).flat_map(|p| [p as f32, 1.0]).collect();
+                assert_eq!(keys, want, "len {len}");
+                let want: Vec<f32> = (first..len).flat_map(|p| [1.0, p as f32]).collect();
+                assert_eq!(values, want, "len {len}");
+            }
+        }
+        // Only a ring of the layer's own window without sinks, and an unpressed full
+        // store, hold their positions in order.
+        assert!(ring.in_order(8, Some(4)).is_none() && ring.in_order(8, None).is_none());
+        assert!(store(Retention::Stream { sink: 1, window: 2 })
+            .in_order(0, Some(3))
+            .is_none());
+        full.keep(&[0, 5], 0).unwrap();
+        assert!(full.in_order(8, None).is_none());
+    }
+
+    #[test]
+    fn full_stores_and_rings_that_have_not_turned_rewind() {
+        let mut full = store(Retention::Full);
+        let mut ring = store(Retention::Stream { sink: 1, window: 3 });
+        for pos in 0..4 {
+            for s in [&mut full, &mut ring] {
+                s.push(pos, &[pos as f32, 0.0], &[0.0, pos as f32]);
+            }
+        }
+        for s in [&mut full, &mut ring] {
+            assert!(s.can_rewind(4));
+            s.truncate(2);
+            s.push(2, &[9.0, 0.0], &[0.0, 9.0]);
+            assert_eq!(
+                s.readable(3, false).0.as_ref(),
+                &[0.0, 0.0, 1.0, 0.0, 9.0, 0.0]
+            );
+        }
+        // A ring that turned no longer holds what a rewind would need.
+        ring.push(3, &[3.0, 0.0], &[0.0, 3.0]);
+        ring.push(4, &[4.0, 0.0], &[0.0, 4.0]);
+        assert!(!ring.can_rewind(5) && full.can_rewind(3));
+        full.keep(&[0], 0).unwrap();
+        assert!(!full.can_rewind(3));
     }
 
     #[test]

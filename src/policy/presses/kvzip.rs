@@ -32,7 +32,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::model::text::chat::ChatMessage;
-use crate::model::{Interventions, KvCache, LoadedModel, Model, Session};
+use crate::model::{HeadCache, Interventions, LoadedModel, Model, Session};
 use crate::policy::evict::{Budget, Eviction, Observe, Observed, Rows, TokenScorer};
 use crate::policy::plan::Plan;
 use crate::policy::presses::knorm::check_ratio;
@@ -216,7 +216,7 @@ impl RepeatPrompt {
 pub(crate) fn reconstruct(
     model: &Model,
     edits: &Interventions,
-    cache: &KvCache,
+    cache: &HeadCache,
     pressed: &[u32],
     chunk: usize,
     repeat: &RepeatPrompt,
@@ -224,10 +224,10 @@ pub(crate) fn reconstruct(
 ) -> Result<usize> {
     let mut peak = 0;
     for (keys, ids) in repeat.passes(pressed, chunk) {
-        let mut session = Session::with_cache(model, cache.fork()?);
+        let mut session = Session::with_cache(model, cache.clone());
         observed.reconstructing(keys);
         session.prefill(&ids, observed, edits)?;
-        peak = peak.max(session.cache().allocated_bytes());
+        peak = peak.max(session.cache().bytes().total());
     }
     observed.reconstructed(chunk);
     Ok(peak)
