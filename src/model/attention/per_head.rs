@@ -1,5 +1,7 @@
-//! Attention over a per-head cache ([`HeadCache`]): each KV head's query heads read the
-//! rows its store holds, seen through the positions those rows hold. A decode step reads
+//! Attention over a layer of the [`HeadCache`] whose heads keep different positions (a
+//! policy's rings, tiered or pressed stores, top-k restrictions; a layer whose stores all
+//! hold their positions in order is attended in the model's numerics instead, by the
+//! forward pass): each KV head's query heads read the rows its store holds, seen through the positions those rows hold. A decode step reads
 //! every stored row (exactly what the retention keeps; a tiered head that is active also
 //! its cold middle), restricted by a top-k bias where a query head has one, with
 //! [`decode_rows`]; a prefill chunk reads the rows stored before it plus its own, a full

@@ -1,7 +1,7 @@
-//! One KV head's stored rows: what a per-head cache ([`crate::model::HeadCache`]) is
-//! made of. A store only stores: it appends positions, says which positions its rows
-//! hold and what it has allocated; attention over it is
-//! `crate::model::attention::per_head`.
+//! One KV head's stored rows: what the KV cache ([`crate::model::HeadCache`]) is made
+//! of. A store only stores: it appends positions, says which positions its rows hold (in
+//! order, where they run consecutively to the last one) and what it has allocated;
+//! attention over it is in `crate::model::attention`.
 //!
 //! Each store keeps its history as its [`Retention`] says:
 //!
