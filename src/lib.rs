@@ -11,7 +11,7 @@
 //! 3. [`policy`] (which heads keep their KV memory, from [`policy::ranking`] files or a
 //!    [`probe`]) and [`probe`] inference;
 //! 4. [`rag`] (DRAGIN-style retrieval) and [`serve`] (the OpenAI-compatible server);
-//! 5. [`reference`]: mistral.rs and llama.cpp, and the parity checks against them;
+//! 5. [`reference`](mod@reference): mistral.rs and llama.cpp, and the parity checks against them;
 //! 6. [`lab`]: the experiments (head scoring, traces, tasks and datasets, probe training,
 //!    evaluations, benchmarks), above everything and imported by nothing but the CLI.
 

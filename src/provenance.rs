@@ -140,7 +140,7 @@ const SIMD_FLAGS: [&str; 7] = [
 ];
 
 /// The machine, for a report's README: CPU model (`/proc/cpuinfo`), threads and the
-/// SIMD extensions among [`SIMD_FLAGS`] it has, e.g. `AMD EPYC, 2 threads, avx2 fma`.
+/// SIMD extensions among `SIMD_FLAGS` it has, e.g. `AMD EPYC, 2 threads, avx2 fma`.
 pub fn machine() -> String {
     let (model, simd) = cpu_parts();
     let threads = std::thread::available_parallelism().map_or(0, |n| n.get());

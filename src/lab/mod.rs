@@ -3,7 +3,7 @@
 //! tasks and datasets ([`tasks`], [`eval`]), KV quantization's cost in perplexity beside
 //! llama.cpp ([`kv_quant`]), probe training ([`probe_train`]), the RAG
 //! and serving experiments ([`rag_eval`], [`serve_bench`]), the speed benchmark
-//! ([`bench`]) and the plots and statistics their reports use ([`plot`], [`stats`]).
+//! ([`bench`](mod@bench)) and the plots and statistics their reports use (`plot`, `stats`).
 
 pub mod bench;
 pub mod eval;

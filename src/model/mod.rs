@@ -1,4 +1,4 @@
-//! The model, from the bottom: [`file`] (GGUF reading, fetching), [`text`] (tokenizer,
+//! The model, from the bottom: [`file`](mod@file) (GGUF reading, fetching), [`text`] (tokenizer,
 //! chat template) and [`numerics`] (how weights multiply), none of which imports anything
 //! above it; then the configuration, the caches, attention, the instrumented transformer
 //! with its observation and intervention interfaces, the [`Session`] that runs it, and

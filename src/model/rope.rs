@@ -34,7 +34,7 @@ struct Table {
 
 /// Rotation tables for positions `0..context`, built on demand: a row exists once a
 /// position at or past it has been rotated (the tables grow by doubling, at least
-/// [`MIN_ROWS`] rows at a time), so memory follows the longest sequence run, not the
+/// `MIN_ROWS` rows at a time), so memory follows the longest sequence run, not the
 /// model's context (Gemma 3's 32,768 positions at two bases were 64 MiB of tables built
 /// up front). Each row is computed on its own, so a row has the same bits whenever it is
 /// built. Clones share the tables.

@@ -1,6 +1,6 @@
 //! Continuous batching: many generations over one model, each under its own policy,
 //! advanced together one token per iteration by a batched decode step
-//! ([`step_batch`](crate::model::step_batch): the weights read once for all of them,
+//! ([`step_batch`]: the weights read once for all of them,
 //! each sequence's logits the same bits as alone).
 //!
 //! A [`Scheduler`] owns one thread. Each iteration it

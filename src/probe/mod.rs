@@ -3,7 +3,7 @@
 //! probe, section on the probe).
 //!
 //! This is the runtime side: [`Probe::load`] (`<name>.safetensors` + `<name>.json`, the
-//! card in [`card`]) and [`Probe::predict`], [`Probe::predict_into`],
+//! card in `card`) and [`Probe::predict`], [`Probe::predict_into`],
 //! [`Probe::predict_batch`]: per-head probabilities (binary labels) or values (continuous
 //! labels). Training a probe from a recorded trace is [`crate::lab::probe_train`].
 

@@ -1,8 +1,8 @@
 //! The eval harness: tasks as [`Example`]s ([`datasets`], [`controls`] and the needle
-//! generators of [`crate::lab::tasks`]), head ablations ([`ablation`]), experiment specs
+//! generators of [`crate::lab::tasks`]), head ablations ([`crate::policy::ablation`]), experiment specs
 //! ([`spec`]), runs that resume and shard ([`run`]), reports ([`report`]), and the
 //! accuracy-against-memory sweeps of the compression policies ([`kv_budget`], with the
-//! score-against-compression-ratio view of [`leaderboard`]).
+//! score-against-compression-ratio view of `leaderboard`).
 
 pub mod controls;
 pub mod datasets;

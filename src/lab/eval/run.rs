@@ -2,7 +2,7 @@
 //! (all checks before any generation), then answer each example once unablated and once
 //! per (selection, seed, k), appending one JSON line per answer so that an interrupted
 //! run resumes where it stopped. Answers are generated in batches
-//! ([`generate_batch`](crate::model::generate_batch)): each prompt prefilled alone, their
+//! ([`generate_batch`]): each prompt prefilled alone, their
 //! decode steps run together, every answer's tokens those it gets alone.
 //!
 //! ## Files in the output folder

@@ -180,7 +180,7 @@ pub fn prompt_seed(id: &str) -> u64 {
     })
 }
 
-/// Run `ex` under every variant ([`ablate_example`], random heads seeded by
+/// Run `ex` under every variant (`ablate_example`, random heads seeded by
 /// [`prompt_seed`]) and count what the report needs.
 pub fn prompt_outcome(
     lm: &LoadedModel,

@@ -1,4 +1,4 @@
-//! The KV cache: every (layer, KV head) stored separately ([`HeadStore`]), so that heads
+//! The KV cache: every (layer, KV head) stored separately (`HeadStore`), so that heads
 //! can keep different amounts of history and the memory saved is real. The plain cache
 //! ([`HeadCache::plain`]) is the case where every store keeps every position.
 //!
@@ -323,7 +323,7 @@ impl HeadCache {
             && (0..self.n_heads).all(|h| self.topk(layer, h).is_none())
     }
 
-    /// Whether every layer reads like a plain cache ([`HeadCache::reads_in_order`]).
+    /// Whether every layer reads like a plain cache (`HeadCache::reads_in_order`).
     pub fn is_plain(&self) -> bool {
         (0..self.windows.len()).all(|l| self.reads_in_order(l))
     }

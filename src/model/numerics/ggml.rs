@@ -260,7 +260,7 @@ impl Simd {
 
     /// `x . y` in the order of ggml's `ggml_vec_dot_f32` (the attention scores `q . k`):
     /// four fused multiply-add accumulators of [`Simd::lanes`] lanes over steps of four
-    /// registers, folded by [`Simd::fold4`]. A tail past the last whole step (never there
+    /// registers, folded by `Simd::fold4`. A tail past the last whole step (never there
     /// for the head sizes of the models here, 64 and 256) is added in f64, which is not
     /// ggml's order (it adds it in f32).
     pub fn dot(self, x: &[f32], y: &[f32]) -> f32 {
@@ -284,7 +284,7 @@ impl Simd {
     /// `out[d] = sum_j p[j] row(j)[d]` (the attention output `p . v`) as ggml sums it for
     /// a batch of `queries` rows. From two queries on it is tinyBLAS's f32 kernel: per `d`,
     /// one fused multiply-add accumulator, term `j` in lane `(first + j) % lanes`, then
-    /// [`Simd::reduce_halves`]. For a single query (a decode step) tinyBLAS stands aside
+    /// `Simd::reduce_halves`. For a single query (a decode step) tinyBLAS stands aside
     /// and it is [`Simd::dot`]'s order: four accumulators, term `j` in accumulator
     /// `((first + j) % (4 lanes)) / lanes`. `first` is the position of term 0, so that lanes
     /// line up with a sum that starts at position 0 (the terms before `first` being zero,
@@ -373,7 +373,7 @@ impl Simd {
 
     /// Scores `(kv,)` of one query row (masked entries `-inf`) turned into probabilities
     /// in place as ggml's `soft_max` does: `exp(s - max)` by [`Simd::expf`], summed per
-    /// register of keys ([`Simd::reduce_halves`], keys aligned to position 0 through
+    /// register of keys (`Simd::reduce_halves`, keys aligned to position 0 through
     /// `first`, the position of entry 0) into an f64 total, then each multiplied by
     /// `1 / total` rounded to f32. A row with every entry masked becomes all zeros. A
     /// last partial register takes the vectorised `exp` too, where ggml calls libm's; with

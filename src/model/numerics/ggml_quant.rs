@@ -7,12 +7,12 @@
 //! - `Q5_0` and `Q8_0` weights (tinyBLAS, any number of rows): the input row in `Q8_0`
 //!   blocks of 32; per block, eight float lanes, lane `l` taking the integer dot product
 //!   of codes `4l..4l + 3`, each lane accumulated as `fma(d_w d_x, lane, acc)`; then the
-//!   lanes summed pairwise ([`hsum8`]).
+//!   lanes summed pairwise (`hsum8`).
 //! - `Q4_K` and `Q6_K` weights (`ggml_vec_dot_q4_K_q8_K` / `_q6_K_q8_K`, AVX2): the input
 //!   in `Q8_K` blocks of 256; per block, eight integer lanes, lane `l` taking codes
 //!   `32c + 4l..32c + 4l + 3` of every 32-code chunk `c` times their sub-block scale
 //!   (`Q6_K` subtracting its offset of 32 through the block sums, two sub-blocks per
-//!   lane), then `fma(d_w d_x, lane, acc)` and [`hsum8`]; `Q4_K`'s minimums go through
+//!   lane), then `fma(d_w d_x, lane, acc)` and `hsum8`; `Q4_K`'s minimums go through
 //!   four more lanes.
 //!
 //! llama.cpp uses these kernels for K-quant weights only when it neither repacks them

@@ -4,7 +4,7 @@
 //!   `QMatMul`, exactly the path mistral.rs takes (activations are quantized to the
 //!   weight type's dot-product partner, e.g. Q8_1 for Q4_1): the parity mode.
 //! * [`Numerics::Fast`] keeps one copy of each weight, in blocks
-//!   ([`BlockMatrix`](crate::model::numerics::kernels::BlockMatrix): Q4_1, Q5_0 and Q8_0 as the
+//!   ([`BlockMatrix`]: Q4_1, Q5_0 and Q8_0 as the
 //!   file stores them, Q4_K as Q4_1 blocks of its sub-blocks, other types requantized to
 //!   Q8_0), multiplied by 8-bit integer kernels
 //!   for a few rows (decode) and through dequantized cache-sized tiles and `gemm` for

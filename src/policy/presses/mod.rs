@@ -6,7 +6,7 @@
 //! heads are top-k restricted or ablated, how dynamic heads are picked. Head-level
 //! policies score heads and keep the best through the shared selector
 //! ([`crate::policy::select`]). Adding a policy is a file here and a line in
-//! [`registry!`]'s list below; `docs/adding-a-policy.md` walks through
+//! `registry!`'s list below; `docs/adding-a-policy.md` walks through
 //! [`window`].
 
 use std::path::{Path, PathBuf};

@@ -3,11 +3,11 @@
 //!
 //! Fewer than [`TILED_MIN_ROWS`] activation rows (decode, small batches) go through the
 //! integer kernels: each row quantized to 8 bits once, and each weight row streamed once
-//! for a panel of activation rows ([`super::panel`]: up to sixteen of Q4_1 or Q8_0 on
-//! AVX-512 VNNI, else six; one row alone goes to [`super::dot`]'s kernels), every row's
+//! for a panel of activation rows (`panel`: up to sixteen of Q4_1 or Q8_0 on
+//! AVX-512 VNNI, else six; one row alone goes to `dot`'s kernels), every row's
 //! result the same as if it were computed alone. More rows (prefill) go through dequantized tiles:
 //! a few weight rows at a time are expanded to f32 in a per-thread buffer of about
-//! [`TILE_BYTES`] and multiplied with all activation rows by `gemm`, so the f32 weight
+//! `TILE_BYTES` and multiplied with all activation rows by `gemm`, so the f32 weight
 //! never exists whole and each expanded tile is used while it is in cache. A batch of
 //! decode rows from different sequences goes through [`BlockMatrix::quantized_product`]
 //! at any size, so that no sequence's result depends on the batch it ran in.

@@ -6,9 +6,9 @@
 //!
 //! * [`isa`]: which instruction set runs, chosen at run time (`HEADWISE_ISA` caps it);
 //! * [`blocks`]: the block layouts, activation rows quantized to 8 bits, dequantization;
-//! * [`dot`]: the block dot products of one weight row against 1-4 activation rows, one
+//! * `dot`: the block dot products of one weight row against 1-4 activation rows, one
 //!   implementation per instruction set, all computing the same floats;
-//! * [`panel`]: the same floats for several activation rows per weight row (batches):
+//! * `panel`: the same floats for several activation rows per weight row (batches):
 //!   up to 16 on AVX-512 VNNI for Q4_1 and Q8_0, else up to 6;
 //! * [`matrix`]: [`BlockMatrix`], the product of a block matrix with activation rows:
 //!   integer dot products for a few rows (decode, small batches), dequantized weight
