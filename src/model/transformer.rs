@@ -66,7 +66,7 @@ pub struct Model {
     numerics: Numerics,
     /// Normalisation and feed-forward gate in `numerics`.
     ops: Ops,
-    /// The plain cache's attention in `numerics`.
+    /// The attention of layers read in order, in `numerics`.
     attention: attention::Path,
     /// Per layer: RoPE, window.
     specs: Vec<LayerSpec>,
@@ -791,7 +791,7 @@ impl Model {
         cache.check_chunk(start, q_len)?;
         let (new_k, new_v) = (kh.to_vec3::<f32>()?, vh.to_vec3::<f32>()?);
         let window = self.specs[layer].window;
-        let held: Vec<(Tensor, Tensor)>;
+        let held: (Tensor, Tensor);
         let rows: Vec<attention::KvRows>;
         let stored;
         let (kv, key_start) = if q_len == 1 {
@@ -804,7 +804,10 @@ impl Model {
                 .map(|([k0, k1], [v0, v1])| attention::KvRows::parts([k0, k1], [v0, v1], dh))
                 .collect();
             let kv = attention::Kv::Rows(&rows);
-            (kv, start + 1 - kv.dims()?.1)
+            let key_start = (start + 1)
+                .checked_sub(kv.dims()?.1)
+                .ok_or(Error::Internal("a layer holds positions past its length"))?;
+            (kv, key_start)
         } else {
             let before = cache
                 .in_order(layer, start)
@@ -822,9 +825,12 @@ impl Model {
                 }
                 Tensor::from_vec(all, (nkv, n, dh), &Device::Cpu)
             };
-            held = vec![(gather(true)?, gather(false)?)];
-            let (keys, values) = (&held[0].0, &held[0].1);
-            (attention::Kv::Tensors { keys, values }, start - n_before)
+            held = (gather(true)?, gather(false)?);
+            let (keys, values) = (&held.0, &held.1);
+            let key_start = start
+                .checked_sub(n_before)
+                .ok_or(Error::Internal("a layer holds positions past its length"))?;
+            (attention::Kv::Tensors { keys, values }, key_start)
         };
         let kv_len = kv.dims()?.1;
         let span = MaskSpan {

@@ -8,7 +8,8 @@ use crate::model::numerics::ggml;
 use crate::Result;
 
 /// Attention as llama.cpp computes it without flash attention over an f32 KV cache
-/// (`-fa off -ctk f32 -ctv f32`) on ggml's `simd` path: per query row, scores
+/// (`-fa off -ctk f32 -ctv f32`; rows stored in another format are read decoded) on
+/// ggml's `simd` path: per query row, scores
 /// [`ggml::Simd::dot`]`(q, k)` scaled by `1 / sqrt(d_head)` plus the mask,
 /// [`ggml::Simd::softmax_in_place`], and each output dimension `sum_j p_j v_j` by
 /// [`ggml::Simd::weighted_rows`]. (ggml scales `q` before the

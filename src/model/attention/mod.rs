@@ -24,7 +24,8 @@
 //!   llama.cpp.
 //!
 //! Shapes: queries `(n_heads, q, d_head)` contiguous; keys and values
-//! `(n_kv_heads, kv_len, d_head)` (views into the KV cache, last dim contiguous); mask
+//! `(n_kv_heads, kv_len, d_head)` ([`Kv`]: each head's rows read in place from the
+//! cache's stores, or tensors with the last dim contiguous); mask
 //! `(n_heads, q, kv_len)` or, when `None`, causal for queries at `start..start + q`.
 //! Output `(n_heads, q, d_head)`.
 
@@ -50,7 +51,8 @@ use crate::model::numerics::ggml;
 use crate::model::Numerics;
 use crate::Result;
 
-/// Which implementations a model's plain cache attends with, fixed from its numerics.
+/// Which implementations a layer read in order (the plain cache's, a policy's full
+/// layers) attends with, fixed from the model's numerics.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Path {
     /// [`Numerics::Fast`]: [`single_query`] for a decode step, [`blocked`] for a prefill

@@ -8,7 +8,8 @@ use crate::{Error, Result};
 
 /// One KV head's stored rows: `len` key rows and `len` value rows of
 /// `d_head` floats each, row-major, in two parts one after the other (rows shared with
-/// other caches, then the head's own; the first part is empty for a plain cache).
+/// other caches then the head's own, or a ring's two halves oldest first; the first part
+/// may be empty).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct KvRows<'a> {
     keys: [&'a [f32]; 2],

@@ -6,7 +6,9 @@
 //! that window (`Stream { sink: 0, window }`), whatever was asked for them. Besides the
 //! stores the cache holds what the next steps read: which tiered heads read their cold
 //! tier ([`HeadCache::set_active`]) and which query heads are restricted to their top-k
-//! keys ([`TopK`]). The attention that reads it is `crate::model::attention::per_head`.
+//! keys ([`TopK`]). The attention that reads it is in `crate::model::attention`: in the
+//! model's numerics for a layer whose stores hold their positions in order, else
+//! `per_head`.
 
 use serde::{Deserialize, Serialize};
 

@@ -78,8 +78,8 @@ impl std::iter::Sum for KvBytes {
 pub type Readable<'a> = (Cow<'a, [f32]>, Cow<'a, [f32]>);
 
 /// Keys or values `(rows, d)` in two parts, one after the other: rows shared with other
-/// caches (a prompt prefix, [`HeadStore::share`]) and the store's own, each borrowed
-/// where stored as f32.
+/// caches (a prompt prefix, [`HeadStore::share`]) and the store's own, or a ring's two
+/// halves oldest first ([`HeadStore::in_order`]); each borrowed where stored as f32.
 pub(crate) type Parts<'a> = [Cow<'a, [f32]>; 2];
 
 /// `parts` as one run of rows (borrowed when one part is empty).
@@ -95,7 +95,10 @@ fn joined(parts: Parts<'_>) -> Cow<'_, [f32]> {
 fn turned(parts: Parts<'_>, at: usize) -> Parts<'_> {
     match joined(parts) {
         Cow::Borrowed(s) => [Cow::Borrowed(&s[at..]), Cow::Borrowed(&s[..at])],
-        Cow::Owned(v) => [Cow::Owned(v[at..].to_vec()), Cow::Owned(v[..at].to_vec())],
+        Cow::Owned(mut v) => {
+            v.rotate_left(at);
+            [Cow::Owned(v), Cow::Borrowed(&[])]
+        }
     }
 }
 
@@ -207,8 +210,8 @@ impl HeadStore {
             }
             _ => pos,
         };
-        // A ring filled from a window that starts mid-stream (a sliding-window layer's
-        // prefill) fills its slots out of order; every slot is written before a query
+        // A ring filled from a window that starts mid-stream (a cache retained from one
+        // whose ring had turned) fills its slots out of order; every slot is written before a query
         // reads it, as the window holds at least as many positions.
         self.keys.write(slot, k);
         self.values.write(slot, v);

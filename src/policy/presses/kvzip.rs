@@ -224,7 +224,9 @@ pub(crate) fn reconstruct(
 ) -> Result<usize> {
     let mut peak = 0;
     for (keys, ids) in repeat.passes(pressed, chunk) {
-        let mut session = Session::with_cache(model, cache.clone());
+        // A copy with room for the repeat, as a new cache would reserve it.
+        let copy = cache.clone().with_capacity(cache.len() + ids.len())?;
+        let mut session = Session::with_cache(model, copy);
         observed.reconstructing(keys);
         session.prefill(&ids, observed, edits)?;
         peak = peak.max(session.cache().bytes().total());
