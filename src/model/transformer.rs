@@ -493,22 +493,22 @@ impl Model {
         observer: &dyn Observer,
         edits: &Interventions,
     ) -> Result<()> {
-        if !cache.is_plain() {
-            let wants = observer.wants();
-            if wants.values || wants.attention && tokens.len() > 1 {
-                return Err(Error::invalid(
+        // What only a cache whose every head holds its positions in order can give.
+        let wants = observer.wants();
+        let needs_plain = wants.values || wants.attention && tokens.len() > 1;
+        if (needs_plain || edits.restricts_keys()) && !cache.is_plain() {
+            return Err(match needs_plain {
+                true => Error::invalid(
                     "observer",
                     "through a cache whose heads keep different positions, values are not \
                      observable, and attention probabilities only at decode steps (one token)",
-                ));
-            }
-            if edits.restricts_keys() {
-                return Err(Error::invalid(
+                ),
+                false => Error::invalid(
                     "interventions",
                     "key restrictions and score biases do not apply to a cache whose heads \
                      keep different positions (use a top-k policy)",
-                ));
-            }
+                ),
+            });
         }
         if tokens.is_empty() {
             return Err(Error::invalid("tokens", "empty input"));

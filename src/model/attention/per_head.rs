@@ -1,12 +1,13 @@
 //! Attention over a layer of the [`HeadCache`] whose heads keep different positions (a
 //! policy's rings, tiered or pressed stores, top-k restrictions; a layer whose stores all
 //! hold their positions in order is attended in the model's numerics instead, by the
-//! forward pass): each KV head's query heads read the rows its store holds, seen through the positions those rows hold. A decode step reads
-//! every stored row (exactly what the retention keeps; a tiered head that is active also
-//! its cold middle), restricted by a top-k bias where a query head has one, with
-//! [`decode_rows`]; a prefill chunk reads the rows stored before it plus its own, a full
-//! head causally by query blocks ([`blocked`]), a ring or tiered head under a mask built
-//! from its rows' positions ([`batched`]).
+//! forward pass): each KV head's query heads read the rows its store holds, seen through
+//! the positions those rows hold. A decode step reads every stored row (exactly what the
+//! retention keeps; a tiered head that is active also its cold middle), restricted by a
+//! top-k bias where a query head has one, with [`decode_rows`]; a prefill chunk reads the
+//! rows stored before it plus its own, a full head causally by query blocks
+//! ([`blocked`]), a ring or tiered head under a mask built from its rows' positions
+//! ([`batched`]).
 
 use candle_core::{Device, Tensor};
 use rayon::prelude::*;

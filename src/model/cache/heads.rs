@@ -114,10 +114,7 @@ impl HeadCache {
     /// run of keys per head in the model's own numerics.
     pub fn plain(cfg: &Config, capacity: usize) -> Self {
         let retention = (0..cfg.n_layers * cfg.n_kv_heads)
-            .map(|i| match cfg.layer(i / cfg.n_kv_heads).window {
-                Some(window) => Retention::Stream { sink: 0, window },
-                None => Retention::Full,
-            })
+            .map(|i| own_window(cfg, i, Retention::Full))
             .collect();
         Self::with_stores(cfg, retention, RowFormat::F32, capacity)
     }
@@ -143,15 +140,13 @@ impl HeadCache {
                         Error::invalid("cache", "only a plain cache can be retained anew")
                     })?;
                 let (keys, values) = (keys.concat(), values.concat());
-                let rows = keys.len() / d;
-                let start = self.len - rows;
+                // A sliding-window layer's ring holds its last positions, and the new
+                // store of that layer is the same ring; every other store holds them all.
+                let start = self
+                    .len
+                    .checked_sub(keys.len() / d)
+                    .ok_or(Error::Internal("a store holds positions past its length"))?;
                 let store = &mut cache.stores[i];
-                if start > 0 && !matches!(store.retention, Retention::Stream { sink: 0, .. }) {
-                    return Err(Error::invalid(
-                        "cache",
-                        format!("layer {layer} dropped positions a full store needs"),
-                    ));
-                }
                 for (r, (k, v)) in keys.chunks_exact(d).zip(values.chunks_exact(d)).enumerate() {
                     store.push(start + r, k, v);
                 }
@@ -363,6 +358,15 @@ impl HeadCache {
     }
 }
 
+/// The retention store `i` (`layer * n_kv_heads + kv_head`) of `cfg` gets when `r` is
+/// asked: a sliding-window layer keeps its window.
+fn own_window(cfg: &Config, i: usize, r: Retention) -> Retention {
+    match cfg.layer(i / cfg.n_kv_heads).window {
+        Some(window) => Retention::Stream { sink: 0, window },
+        None => r,
+    }
+}
+
 /// The retention each store of `cfg` gets for `retention` (one entry per `layer *
 /// n_kv_heads + kv_head`): a sliding-window layer keeps its window whatever was asked.
 /// A count that does not fit or a window of 0 is an error.
@@ -377,17 +381,11 @@ fn effective(cfg: &Config, retention: &[Retention]) -> Result<Vec<Retention>> {
     retention
         .iter()
         .enumerate()
-        .map(|(i, &r)| {
-            let r = match cfg.layer(i / cfg.n_kv_heads).window {
-                Some(window) => Retention::Stream { sink: 0, window },
-                None => r,
-            };
-            match r {
-                Retention::Stream { window: 0, .. } | Retention::Tiered { window: 0, .. } => {
-                    Err(Error::invalid("window", "0 (must be at least 1)"))
-                }
-                r => Ok(r),
+        .map(|(i, &r)| match own_window(cfg, i, r) {
+            Retention::Stream { window: 0, .. } | Retention::Tiered { window: 0, .. } => {
+                Err(Error::invalid("window", "0 (must be at least 1)"))
             }
+            r => Ok(r),
         })
         .collect()
 }
@@ -398,15 +396,20 @@ mod tests {
     use crate::model::config::tests::tiny;
     use crate::model::config::SlidingWindow;
 
-    #[test]
-    fn projected_bytes_are_what_a_new_cache_allocates() {
-        let mut gemma = tiny();
-        gemma.sliding_window = Some(SlidingWindow {
-            size: 5,
+    /// [`tiny`] with every second layer global, the others a sliding window of `size`.
+    fn windowed(size: usize) -> Config {
+        let mut cfg = tiny();
+        cfg.sliding_window = Some(SlidingWindow {
+            size,
             global_every: 2,
             local_rope_base: 1e4,
         });
-        for cfg in [tiny(), gemma] {
+        cfg
+    }
+
+    #[test]
+    fn projected_bytes_are_what_a_new_cache_allocates() {
+        for cfg in [tiny(), windowed(5)] {
             let n = cfg.n_layers * cfg.n_kv_heads;
             let kinds = [
                 Retention::Full,
@@ -439,7 +442,15 @@ mod tests {
         capacity: usize,
         filled: usize,
     ) -> HeadCache {
-        let mut cache = HeadCache::new(cfg, retention, format, capacity).unwrap();
+        fill(
+            cfg,
+            HeadCache::new(cfg, retention, format, capacity).unwrap(),
+            filled,
+        )
+    }
+
+    /// `cache` with positions `0..filled` stored in every store.
+    fn fill(cfg: &Config, mut cache: HeadCache, filled: usize) -> HeadCache {
         for pos in 0..filled {
             let row: Vec<f32> = (0..cfg.d_head)
                 .map(|i| (pos * 7 + i) as f32 / 10.0)
@@ -456,21 +467,20 @@ mod tests {
 
     #[test]
     fn a_plain_cache_reads_in_order_and_is_retained_as_a_policy_asks() {
-        let mut gemma = tiny();
-        gemma.sliding_window = Some(SlidingWindow {
-            size: 3,
-            global_every: 2,
-            local_rope_base: 1e4,
-        });
+        let gemma = windowed(3);
         let n = gemma.n_layers * gemma.n_kv_heads;
-        let full = vec![Retention::Full; n];
-        let plain = filled(&gemma, &full, RowFormat::F32, 8, 6);
+        let plain = fill(&gemma, HeadCache::plain(&gemma, 8), 6);
         assert!(plain.is_plain());
         let ring = Retention::Stream { sink: 1, window: 2 };
         let policy = plain
             .retained(&gemma, &vec![ring; n], RowFormat::F32, 8)
             .unwrap();
         assert!(!policy.is_plain());
+        let again = policy.retained(&gemma, &vec![Retention::Full; n], RowFormat::F32, 8);
+        assert!(again
+            .unwrap_err()
+            .to_string()
+            .contains("only a plain cache"));
         // Windowed layers hold their window whatever was asked; the others the ring.
         for layer in 0..gemma.n_layers {
             let window = gemma.layer(layer).window;
@@ -502,8 +512,13 @@ mod tests {
         let err = rewound.truncate(2).unwrap_err().to_string();
         assert!(err.contains("cannot rewind"), "{err}");
         assert_eq!(rewound.len(), 6);
-        rewound.truncate(6).unwrap();
-        let mut plain = filled(&tiny(), &vec![Retention::Full; n], RowFormat::F32, 8, 6);
+        let global = rewound.layer(1).0[0].readable_positions(6, false);
+        assert_eq!(
+            global,
+            (0..6).collect::<Vec<_>>(),
+            "the full layer kept its rows"
+        );
+        let mut plain = fill(&tiny(), HeadCache::plain(&tiny(), 8), 6);
         plain.truncate(2).unwrap();
         assert_eq!(plain.len(), 2);
         assert_eq!(plain.layer(0).0[0].readable_positions(2, false), vec![0, 1]);

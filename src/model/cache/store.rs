@@ -211,8 +211,8 @@ impl HeadStore {
             _ => pos,
         };
         // A ring filled from a window that starts mid-stream (a cache retained from one
-        // whose ring had turned) fills its slots out of order; every slot is written before a query
-        // reads it, as the window holds at least as many positions.
+        // whose ring had turned) fills its slots out of order; every slot is written
+        // before a query reads it, as the window holds at least as many positions.
         self.keys.write(slot, k);
         self.values.write(slot, v);
     }
