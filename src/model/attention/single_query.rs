@@ -1,8 +1,11 @@
 //! One decode step in plain loops over the KV cache, parallel over KV heads and parts of
 //! the keys, 16-lane dot products and a vectorised `exp` (a matrix product with one row
-//! spends most of its time packing operands). The loops are compiled for AVX2 and
-//! AVX-512 besides the build's own target and chosen at run time ([`Isa`]), with the same
-//! floats on each.
+//! spends most of its time packing operands). The dot products and the weighted value
+//! sums are written once per vector width (portable, AVX2, AVX-512: [`Lanes`]), each task
+//! compiled for the widest one the CPU runs and chosen at run time ([`Isa`]), with the
+//! same floats on each.
+
+use std::ops::Range;
 
 use candle_core::{Device, Tensor};
 use rayon::prelude::*;
@@ -12,56 +15,69 @@ use crate::model::numerics::fast_exp;
 use crate::model::numerics::kernels::Isa;
 use crate::Result;
 
-/// Run `f`, a closure over `#[inline(always)]` functions of plain loops, compiled for the
-/// widest vectors `isa` allows (the portable build target if the CPU lacks it): the loops
-/// are the same, so the floats are too (no reassociation, no fused multiply-add), only
-/// the vector width differs.
-#[inline(always)]
-fn on_isa(isa: Isa, f: impl FnOnce()) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        #[target_feature(enable = "avx512f,avx2,fma")]
-        unsafe fn wide(f: impl FnOnce()) {
-            f()
-        }
-        #[target_feature(enable = "avx2,fma")]
-        unsafe fn narrow(f: impl FnOnce()) {
-            f()
-        }
-        match isa {
-            // SAFETY (both): `supported` checked that the CPU runs the set.
-            Isa::Avx512Vnni if isa.supported() => unsafe { wide(f) },
-            Isa::Avx2 | Isa::AvxVnni if isa.supported() => unsafe { narrow(f) },
-            _ => f(),
-        }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = isa;
-        f()
-    }
-}
-
 /// Lanes of the vectorised dot product.
 const LANES: usize = 16;
 
-/// Dot product with `LANES` independent accumulators (the compiler maps them to SIMD).
+/// The decode task's vector arithmetic, one implementation per vector width, all with
+/// the same floats. The dot product keeps [`LANES`] interleaved accumulators: lane `i` sums `a[16c + i] * b[16c + i]` over the
+/// whole chunks `c` (a multiply, then an add: no fused multiply-add), the lanes are
+/// halved pairwise (`acc[i] += acc[i + w]` for `w` = 8, 4, 2, 1), and the remainder's
+/// plain sum is added last.
+trait Lanes {
+    /// `a . b` (equal lengths).
+    ///
+    /// # Safety
+    ///
+    /// The CPU runs the implementation's instruction set.
+    unsafe fn dot(a: &[f32], b: &[f32]) -> f32;
+
+    /// `acc += w[i] * value(keys[i])` over the keys in order, skipping zero weights,
+    /// lane by lane (a multiply, then an add): `acc` `(d_head)`, `w` one weight per key.
+    ///
+    /// # Safety
+    ///
+    /// The CPU runs the implementation's instruction set.
+    unsafe fn weighted_sum(acc: &mut [f32], w: &[f32], rows: &KvRows, keys: Range<usize>);
+}
+
+/// The portable loop (the compiler vectorises it as it can).
+struct Portable;
+
+impl Lanes for Portable {
+    #[inline(always)]
+    unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
+        dot_lanes(a, b)
+    }
+
+    #[inline(always)]
+    unsafe fn weighted_sum(acc: &mut [f32], w: &[f32], rows: &KvRows, keys: Range<usize>) {
+        let dh = acc.len();
+        for (&p, j) in w.iter().zip(keys) {
+            let v = rows.value(j, dh);
+            prefetch(v);
+            if p != 0.0 {
+                acc.iter_mut().zip(v).for_each(|(a, x)| *a += p * x);
+            }
+        }
+    }
+}
+
+/// The remainder of `a . b` past its whole chunks of [`LANES`], summed in order.
+#[inline(always)]
+fn tail(a: &[f32], b: &[f32]) -> f32 {
+    let whole = a.len() / LANES * LANES;
+    a[whole..].iter().zip(&b[whole..]).map(|(x, y)| x * y).sum()
+}
+
+/// Dot product with [`LANES`] independent accumulators, the reference loop of [`Lanes`].
 #[inline(always)]
 pub(super) fn dot_lanes(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; LANES];
-    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
-    let tail: f32 = ca
-        .remainder()
-        .iter()
-        .zip(cb.remainder())
-        .map(|(x, y)| x * y)
-        .sum();
-    for (x, y) in ca.zip(cb) {
+    for (x, y) in a.chunks_exact(LANES).zip(b.chunks_exact(LANES)) {
         for i in 0..LANES {
             acc[i] += x[i] * y[i];
         }
     }
-    // Pairwise halving: four vector adds instead of a chain of sixteen scalar ones.
     let mut width = LANES / 2;
     while width > 0 {
         for i in 0..width {
@@ -69,7 +85,164 @@ pub(super) fn dot_lanes(a: &[f32], b: &[f32]) -> f32 {
         }
         width /= 2;
     }
-    acc[0] + tail
+    acc[0] + tail(a, b)
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    //! [`Lanes`] in AVX2 (two 256-bit accumulators) and AVX-512 (one 512-bit one), and
+    //! the decode task compiled for each. Written with intrinsics: the compiler split
+    //! the portable loop's sixteen lanes into pairs of two-float vectors (measured in a
+    //! profile of a batched decode step: a quarter of its time in those scores).
+
+    use std::arch::x86_64::*;
+
+    use std::ops::Range;
+
+    use super::{prefetch, run_task, tail, KvRows, Lanes, Portable, Step, Task, LANES};
+
+    /// Lanes 0-7 of the accumulators halved down to lane 0, then the remainder added.
+    #[inline(always)]
+    unsafe fn finish(low8: __m256, a: &[f32], b: &[f32]) -> f32 {
+        let four = _mm_add_ps(
+            _mm256_castps256_ps128(low8),
+            _mm256_extractf128_ps::<1>(low8),
+        );
+        let two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+        let one = _mm_add_ss(two, _mm_movehdup_ps(two));
+        _mm_cvtss_f32(one) + tail(a, b)
+    }
+
+    /// [`Lanes::weighted_sum`] in vectors of `$w` floats: `acc` in runs of 64 floats,
+    /// each held in registers while every key adds its weighted value row to it (the
+    /// portable loop where `d_head` is not a multiple of 64).
+    macro_rules! weighted_sum {
+        (__m256, $($args:ident),*) => {
+            weighted_sum!($($args),*; __m256, 8, _mm256_setzero_ps, _mm256_set1_ps,
+                _mm256_loadu_ps, _mm256_storeu_ps, _mm256_add_ps, _mm256_mul_ps)
+        };
+        (__m512, $($args:ident),*) => {
+            weighted_sum!($($args),*; __m512, 16, _mm512_setzero_ps, _mm512_set1_ps,
+                _mm512_loadu_ps, _mm512_storeu_ps, _mm512_add_ps, _mm512_mul_ps)
+        };
+        ($acc:ident, $wts:ident, $rows:ident, $keys:ident; $t:ty, $w:literal, $zero:ident,
+         $splat:ident, $load:ident, $store:ident, $add:ident, $mul:ident) => {{
+            const N: usize = 64 / $w;
+            let dh = $acc.len();
+            if dh % 64 != 0 {
+                return Portable::weighted_sum($acc, $wts, $rows, $keys);
+            }
+            for c in (0..dh).step_by(64) {
+                let at = $acc.as_mut_ptr().add(c);
+                let mut sums: [$t; N] = [$zero(); N];
+                for (k, sum) in sums.iter_mut().enumerate() {
+                    *sum = $load(at.add(k * $w));
+                }
+                for (&p, j) in $wts.iter().zip($keys.clone()) {
+                    let v = $rows.value(j, dh);
+                    if c == 0 {
+                        prefetch(v);
+                    }
+                    if p != 0.0 {
+                        let (p, v) = ($splat(p), v.as_ptr().add(c));
+                        for (k, sum) in sums.iter_mut().enumerate() {
+                            *sum = $add(*sum, $mul(p, $load(v.add(k * $w))));
+                        }
+                    }
+                }
+                for (k, sum) in sums.iter().enumerate() {
+                    $store(at.add(k * $w), *sum);
+                }
+            }
+        }};
+    }
+
+    pub(super) struct Avx2;
+
+    impl Lanes for Avx2 {
+        #[inline(always)]
+        unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
+            let (mut lo, mut hi) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+            let whole = a.len().min(b.len()) / LANES * LANES;
+            let (pa, pb) = (a.as_ptr(), b.as_ptr());
+            for c in (0..whole).step_by(LANES) {
+                // SAFETY: `c + 16 <= whole` floats of both slices.
+                let (x0, y0) = (_mm256_loadu_ps(pa.add(c)), _mm256_loadu_ps(pb.add(c)));
+                let (x1, y1) = (
+                    _mm256_loadu_ps(pa.add(c + 8)),
+                    _mm256_loadu_ps(pb.add(c + 8)),
+                );
+                lo = _mm256_add_ps(lo, _mm256_mul_ps(x0, y0));
+                hi = _mm256_add_ps(hi, _mm256_mul_ps(x1, y1));
+            }
+            finish(_mm256_add_ps(lo, hi), a, b)
+        }
+
+        #[inline(always)]
+        unsafe fn weighted_sum(acc: &mut [f32], w: &[f32], rows: &KvRows, keys: Range<usize>) {
+            weighted_sum!(__m256, acc, w, rows, keys)
+        }
+    }
+
+    pub(super) struct Avx512;
+
+    impl Lanes for Avx512 {
+        #[inline(always)]
+        unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
+            let mut acc = _mm512_setzero_ps();
+            let whole = a.len().min(b.len()) / LANES * LANES;
+            let (pa, pb) = (a.as_ptr(), b.as_ptr());
+            for c in (0..whole).step_by(LANES) {
+                // SAFETY: `c + 16 <= whole` floats of both slices.
+                let (x, y) = (_mm512_loadu_ps(pa.add(c)), _mm512_loadu_ps(pb.add(c)));
+                acc = _mm512_add_ps(acc, _mm512_mul_ps(x, y));
+            }
+            let high = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(acc)));
+            finish(_mm256_add_ps(_mm512_castps512_ps256(acc), high), a, b)
+        }
+
+        #[inline(always)]
+        unsafe fn weighted_sum(acc: &mut [f32], w: &[f32], rows: &KvRows, keys: Range<usize>) {
+            weighted_sum!(__m512, acc, w, rows, keys)
+        }
+    }
+
+    /// [`run_task`] in AVX2.
+    ///
+    /// # Safety
+    ///
+    /// The CPU runs AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn task_avx2(task: &mut Task, step: &Step) {
+        run_task::<Avx2>(task, step)
+    }
+
+    /// [`run_task`] in AVX-512.
+    ///
+    /// # Safety
+    ///
+    /// The CPU runs AVX-512 F, AVX2 and FMA.
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub(super) unsafe fn task_avx512(task: &mut Task, step: &Step) {
+        run_task::<Avx512>(task, step)
+    }
+}
+
+/// One task of [`decode_rows_on`] on the widest vectors `isa` allows (the portable loop
+/// if the CPU lacks it), with the same floats on each.
+fn run_task_on(isa: Isa, task: &mut Task, step: &Step) {
+    #[cfg(target_arch = "x86_64")]
+    match isa {
+        // SAFETY (both): `supported` checked that the CPU runs the set (every `Isa` past
+        // `Portable` includes AVX2 and FMA, and AVX-512 VNNI includes AVX-512 F).
+        Isa::Avx512Vnni if isa.supported() => return unsafe { x86::task_avx512(task, step) },
+        Isa::Avx2 | Isa::AvxVnni if isa.supported() => {
+            return unsafe { x86::task_avx2(task, step) }
+        }
+        _ => {}
+    }
+    // SAFETY: the portable loop runs everywhere.
+    unsafe { run_task::<Portable>(task, step) }
 }
 
 /// Fewest keys in one part of the single-query path: below this, splitting the keys
@@ -178,7 +351,7 @@ pub(super) fn decode_rows_on(
     };
     tasks
         .par_iter_mut()
-        .for_each(|task| on_isa(isa, || run_task(task, &step)));
+        .for_each(|task| run_task_on(isa, task, &step));
     // Merge the parts of each query head (tasks of one KV head are consecutive).
     let mut out = vec![0f32; nh * dh];
     let mut probs = want_probs.then(|| {
@@ -244,9 +417,13 @@ struct Step<'a> {
 }
 
 /// One task of [`decode_rows`]: scores, softmax statistics and weighted value sums of
-/// its part of the keys for every query head of its KV head.
+/// its part of the keys for every query head of its KV head, its dot products in `L`.
+///
+/// # Safety
+///
+/// The CPU runs `L`'s instruction set.
 #[inline(always)]
-fn run_task(task: &mut Task, step: &Step) {
+unsafe fn run_task<L: Lanes>(task: &mut Task, step: &Step) {
     let Step {
         q,
         dh,
@@ -263,7 +440,7 @@ fn run_task(task: &mut Task, step: &Step) {
         prefetch(k);
         for g in 0..group {
             let h = task.kv_head * group + g;
-            w[g * n + i] = dot_lanes(&q[h * dh..(h + 1) * dh], k) * scale;
+            w[g * n + i] = L::dot(&q[h * dh..(h + 1) * dh], k) * scale;
         }
     }
     for (g, st) in task.stats.iter_mut().enumerate() {
@@ -280,15 +457,8 @@ fn run_task(task: &mut Task, step: &Step) {
             fast_exp::exp_shifted(row, st.max)
         };
     }
-    for (i, j) in task.keys.clone().enumerate() {
-        let v = rows.value(j, dh);
-        prefetch(v);
-        for (g, acc) in task.accs.chunks_exact_mut(dh).enumerate() {
-            let p = w[g * n + i];
-            if p != 0.0 {
-                acc.iter_mut().zip(v).for_each(|(a, x)| *a += p * x);
-            }
-        }
+    for (g, acc) in task.accs.chunks_exact_mut(dh).enumerate() {
+        L::weighted_sum(acc, &w[g * n..(g + 1) * n], rows, task.keys.clone());
     }
 }
 
