@@ -31,13 +31,20 @@ trait Lanes {
     /// The CPU runs the implementation's instruction set.
     unsafe fn dot(a: &[f32], b: &[f32]) -> f32;
 
-    /// `acc += w[i] * value(keys[i])` over the keys in order, skipping zero weights,
-    /// lane by lane (a multiply, then an add): `acc` `(d_head)`, `w` one weight per key.
+    /// For each query head `g` of a group, `accs[g] += w[g][i] * value(keys[i])` over the
+    /// keys in order, skipping zero weights, lane by lane (a multiply, then an add):
+    /// `accs` `(group, d_head)`, `w` `(group, keys)`.
     ///
     /// # Safety
     ///
     /// The CPU runs the implementation's instruction set.
-    unsafe fn weighted_sum(acc: &mut [f32], w: &[f32], rows: &KvRows, keys: Range<usize>);
+    unsafe fn weighted_sum(
+        accs: &mut [f32],
+        w: &[f32],
+        rows: &KvRows,
+        keys: Range<usize>,
+        dh: usize,
+    );
 }
 
 /// The portable loop (the compiler vectorises it as it can).
@@ -50,13 +57,24 @@ impl Lanes for Portable {
     }
 
     #[inline(always)]
-    unsafe fn weighted_sum(acc: &mut [f32], w: &[f32], rows: &KvRows, keys: Range<usize>) {
-        let dh = acc.len();
-        for (&p, j) in w.iter().zip(keys) {
-            let v = rows.value(j, dh);
-            prefetch(v);
-            if p != 0.0 {
-                acc.iter_mut().zip(v).for_each(|(a, x)| *a += p * x);
+    unsafe fn weighted_sum(
+        accs: &mut [f32],
+        w: &[f32],
+        rows: &KvRows,
+        keys: Range<usize>,
+        dh: usize,
+    ) {
+        let n = keys.len();
+        if n == 0 {
+            return;
+        }
+        for (acc, w) in accs.chunks_exact_mut(dh).zip(w.chunks_exact(n)) {
+            for (&p, j) in w.iter().zip(keys.clone()) {
+                let v = rows.value(j, dh);
+                prefetch(v);
+                if p != 0.0 {
+                    acc.iter_mut().zip(v).for_each(|(a, x)| *a += p * x);
+                }
             }
         }
     }
@@ -113,48 +131,101 @@ mod x86 {
         _mm_cvtss_f32(one) + tail(a, b)
     }
 
-    /// [`Lanes::weighted_sum`] in vectors of `$w` floats: `acc` in runs of 64 floats,
-    /// each held in registers while every key adds its weighted value row to it (the
-    /// portable loop where `d_head` is not a multiple of 64).
+    /// [`Lanes::weighted_sum`] in vectors of `$w` floats, `$n` of them per run of the
+    /// output: for each run, the query heads' sums held in registers while every key's
+    /// value run is loaded once and added, weighted, to each head's (the portable loop
+    /// where `d_head` is not a multiple of the run, or a group has more than four heads).
     macro_rules! weighted_sum {
-        (__m256, $($args:ident),*) => {
-            weighted_sum!($($args),*; __m256, 8, _mm256_setzero_ps, _mm256_set1_ps,
-                _mm256_loadu_ps, _mm256_storeu_ps, _mm256_add_ps, _mm256_mul_ps)
+        (__m256) => {
+            weighted_sum!(
+                __m256,
+                8,
+                4,
+                _mm256_setzero_ps,
+                _mm256_set1_ps,
+                _mm256_loadu_ps,
+                _mm256_storeu_ps,
+                _mm256_add_ps,
+                _mm256_mul_ps
+            );
         };
-        (__m512, $($args:ident),*) => {
-            weighted_sum!($($args),*; __m512, 16, _mm512_setzero_ps, _mm512_set1_ps,
-                _mm512_loadu_ps, _mm512_storeu_ps, _mm512_add_ps, _mm512_mul_ps)
+        (__m512) => {
+            weighted_sum!(
+                __m512,
+                16,
+                4,
+                _mm512_setzero_ps,
+                _mm512_set1_ps,
+                _mm512_loadu_ps,
+                _mm512_storeu_ps,
+                _mm512_add_ps,
+                _mm512_mul_ps
+            );
         };
-        ($acc:ident, $wts:ident, $rows:ident, $keys:ident; $t:ty, $w:literal, $zero:ident,
-         $splat:ident, $load:ident, $store:ident, $add:ident, $mul:ident) => {{
-            const N: usize = 64 / $w;
-            let dh = $acc.len();
-            if dh % 64 != 0 {
-                return Portable::weighted_sum($acc, $wts, $rows, $keys);
-            }
-            for c in (0..dh).step_by(64) {
-                let at = $acc.as_mut_ptr().add(c);
-                let mut sums: [$t; N] = [$zero(); N];
-                for (k, sum) in sums.iter_mut().enumerate() {
-                    *sum = $load(at.add(k * $w));
-                }
-                for (&p, j) in $wts.iter().zip($keys.clone()) {
-                    let v = $rows.value(j, dh);
-                    if c == 0 {
-                        prefetch(v);
-                    }
-                    if p != 0.0 {
-                        let (p, v) = ($splat(p), v.as_ptr().add(c));
-                        for (k, sum) in sums.iter_mut().enumerate() {
-                            *sum = $add(*sum, $mul(p, $load(v.add(k * $w))));
+        ($t:ty, $w:literal, $n:literal, $zero:ident, $splat:ident, $load:ident,
+         $store:ident, $add:ident, $mul:ident) => {
+            #[inline(always)]
+            unsafe fn weighted_sum(
+                accs: &mut [f32],
+                wts: &[f32],
+                rows: &KvRows,
+                keys: Range<usize>,
+                dh: usize,
+            ) {
+                #[inline(always)]
+                unsafe fn heads<const G: usize>(
+                    accs: &mut [f32],
+                    wts: &[f32],
+                    rows: &KvRows,
+                    keys: Range<usize>,
+                    dh: usize,
+                ) {
+                    let n = keys.len();
+                    for c in (0..dh).step_by($w * $n) {
+                        let mut sums: [[$t; $n]; G] = [[$zero(); $n]; G];
+                        for (g, sums) in sums.iter_mut().enumerate() {
+                            let at = accs.as_ptr().add(g * dh + c);
+                            for (k, sum) in sums.iter_mut().enumerate() {
+                                *sum = $load(at.add(k * $w));
+                            }
+                        }
+                        for (i, j) in keys.clone().enumerate() {
+                            let v = rows.value(j, dh);
+                            if c == 0 {
+                                prefetch(v);
+                            }
+                            let v = v.as_ptr().add(c);
+                            let vs: [$t; $n] = std::array::from_fn(|k| $load(v.add(k * $w)));
+                            for (g, sums) in sums.iter_mut().enumerate() {
+                                let p = wts[g * n + i];
+                                if p != 0.0 {
+                                    let p = $splat(p);
+                                    for (sum, v) in sums.iter_mut().zip(&vs) {
+                                        *sum = $add(*sum, $mul(p, *v));
+                                    }
+                                }
+                            }
+                        }
+                        for (g, sums) in sums.iter().enumerate() {
+                            let at = accs.as_mut_ptr().add(g * dh + c);
+                            for (k, sum) in sums.iter().enumerate() {
+                                $store(at.add(k * $w), *sum);
+                            }
                         }
                     }
                 }
-                for (k, sum) in sums.iter().enumerate() {
-                    $store(at.add(k * $w), *sum);
+                if dh % ($w * $n) != 0 {
+                    return Portable::weighted_sum(accs, wts, rows, keys, dh);
+                }
+                match accs.len() / dh {
+                    1 => heads::<1>(accs, wts, rows, keys, dh),
+                    2 => heads::<2>(accs, wts, rows, keys, dh),
+                    3 => heads::<3>(accs, wts, rows, keys, dh),
+                    4 => heads::<4>(accs, wts, rows, keys, dh),
+                    _ => Portable::weighted_sum(accs, wts, rows, keys, dh),
                 }
             }
-        }};
+        };
     }
 
     pub(super) struct Avx2;
@@ -178,10 +249,7 @@ mod x86 {
             finish(_mm256_add_ps(lo, hi), a, b)
         }
 
-        #[inline(always)]
-        unsafe fn weighted_sum(acc: &mut [f32], w: &[f32], rows: &KvRows, keys: Range<usize>) {
-            weighted_sum!(__m256, acc, w, rows, keys)
-        }
+        weighted_sum!(__m256);
     }
 
     pub(super) struct Avx512;
@@ -201,10 +269,7 @@ mod x86 {
             finish(_mm256_add_ps(_mm512_castps512_ps256(acc), high), a, b)
         }
 
-        #[inline(always)]
-        unsafe fn weighted_sum(acc: &mut [f32], w: &[f32], rows: &KvRows, keys: Range<usize>) {
-            weighted_sum!(__m512, acc, w, rows, keys)
-        }
+        weighted_sum!(__m512);
     }
 
     /// [`run_task`] in AVX2.
@@ -457,9 +522,7 @@ unsafe fn run_task<L: Lanes>(task: &mut Task, step: &Step) {
             fast_exp::exp_shifted(row, st.max)
         };
     }
-    for (g, acc) in task.accs.chunks_exact_mut(dh).enumerate() {
-        L::weighted_sum(acc, &w[g * n..(g + 1) * n], rows, task.keys.clone());
-    }
+    L::weighted_sum(&mut task.accs, w, rows, task.keys.clone(), dh);
 }
 
 /// Ask for the cache lines
