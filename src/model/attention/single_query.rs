@@ -19,10 +19,10 @@ use crate::Result;
 const LANES: usize = 16;
 
 /// The decode task's vector arithmetic, one implementation per vector width, all with
-/// the same floats. The dot product keeps [`LANES`] interleaved accumulators: lane `i` sums `a[16c + i] * b[16c + i]` over the
-/// whole chunks `c` (a multiply, then an add: no fused multiply-add), the lanes are
-/// halved pairwise (`acc[i] += acc[i + w]` for `w` = 8, 4, 2, 1), and the remainder's
-/// plain sum is added last.
+/// the same floats. The dot product keeps [`LANES`] interleaved accumulators: lane `i`
+/// sums `a[16c + i] * b[16c + i]` over the whole chunks `c` (a multiply, then an add: no
+/// fused multiply-add), the lanes are halved pairwise (`acc[i] += acc[i + w]` for `w` =
+/// 8, 4, 2, 1), and the remainder's plain sum is added last.
 trait Lanes {
     /// `a . b` (equal lengths).
     ///
@@ -65,13 +65,11 @@ impl Lanes for Portable {
         dh: usize,
     ) {
         let n = keys.len();
-        if n == 0 {
-            return;
-        }
-        for (acc, w) in accs.chunks_exact_mut(dh).zip(w.chunks_exact(n)) {
-            for (&p, j) in w.iter().zip(keys.clone()) {
-                let v = rows.value(j, dh);
-                prefetch(v);
+        for (i, j) in keys.enumerate() {
+            let v = rows.value(j, dh);
+            prefetch(v);
+            for (g, acc) in accs.chunks_exact_mut(dh).enumerate() {
+                let p = w[g * n + i];
                 if p != 0.0 {
                     acc.iter_mut().zip(v).for_each(|(a, x)| *a += p * x);
                 }
@@ -114,7 +112,6 @@ mod x86 {
     //! profile of a batched decode step: a quarter of its time in those scores).
 
     use std::arch::x86_64::*;
-
     use std::ops::Range;
 
     use super::{prefetch, run_task, tail, KvRows, Lanes, Portable, Step, Task, LANES};
@@ -180,6 +177,9 @@ mod x86 {
                     keys: Range<usize>,
                     dh: usize,
                 ) {
+                    // SAFETY (the pointer arithmetic): `accs` holds `G` rows of `dh`
+                    // floats, each value row `dh`, and every run `c..c + $w * $n` lies
+                    // within `dh` (checked below: `dh` is a multiple of the run).
                     let n = keys.len();
                     for c in (0..dh).step_by($w * $n) {
                         let mut sums: [[$t; $n]; G] = [[$zero(); $n]; G];
