@@ -43,6 +43,11 @@ pub struct Made {
     pub date: String,
     /// The CPU it ran on ([`cpu`]); empty in files made before it was recorded.
     pub cpu: String,
+    /// The fingerprint of the model's arithmetic in this build, on this CPU, with these
+    /// numerics ([`crate::model::arithmetic_fingerprint`]), for files a run continues;
+    /// empty where none was taken (files made before it was recorded, files of no model).
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub arithmetic: String,
     /// A remark: files whose provenance was filled in afterwards say so here.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub note: Option<String>,
@@ -62,30 +67,48 @@ impl Made {
             command: command_line(),
             date: utc_rfc3339(secs),
             cpu: cpu(),
+            arithmetic: String::new(),
             note: None,
         }
     }
 
+    /// The same, with the fingerprint of the arithmetic of the model the run computes with.
+    pub fn with_arithmetic(self, fingerprint: String) -> Self {
+        Self {
+            arithmetic: fingerprint,
+            ..self
+        }
+    }
+
     /// Whether a file made with `self` may be reused or continued by the run `now`: the
-    /// same numerics on the same CPU. A field left empty (a file made before it was
-    /// recorded) matches anything.
+    /// same numerics on the same CPU, computing the same floats (the same arithmetic
+    /// fingerprint). A field left empty in `self` (a file made before it was recorded)
+    /// matches anything.
     pub fn resumable_by(&self, now: &Made) -> bool {
         let known = |was: &str, is: &str| was.is_empty() || was == is;
-        known(&self.numerics, &now.numerics) && known(&self.cpu, &now.cpu)
+        known(&self.numerics, &now.numerics)
+            && known(&self.cpu, &now.cpu)
+            && known(&self.arithmetic, &now.arithmetic)
     }
 
     /// `self` (a run continuing a folder whose file was made with `old`) with the note a
-    /// mixed folder needs: records made before the CPU was recorded keep saying so (the
-    /// run stamps its own CPU on the folder, which is theirs only if nothing says
-    /// otherwise); an earlier note is kept.
+    /// mixed folder needs: records made before the CPU or the arithmetic fingerprint was
+    /// recorded keep saying so, with their date and commit (the run stamps its own on the
+    /// folder, which are theirs only if nothing says otherwise); an earlier note is kept.
     pub fn continuing(&self, old: &Made) -> Made {
-        let note = match (&old.note, old.cpu.is_empty()) {
+        let unrecorded = match (old.cpu.is_empty(), old.arithmetic.is_empty()) {
+            (true, _) => "CPU",
+            (false, true) if !self.arithmetic.is_empty() => "arithmetic fingerprint",
+            _ => "",
+        };
+        let note = match (&old.note, unrecorded) {
             (Some(n), _) => Some(n.clone()),
-            (None, true) => Some(format!(
-                "records made up to {} predate the recorded CPU",
-                old.date
+            (None, "") => self.note.clone(),
+            (None, what) => Some(format!(
+                "records made up to {} (commit {}) predate the recorded {what}",
+                old.date,
+                old.git_commit.as_deref().unwrap_or("unknown")
             )),
-            (None, false) => self.note.clone(),
         };
         Made {
             note,
@@ -103,11 +126,20 @@ impl Made {
         if !self.cpu.is_empty() && self.cpu != now.cpu {
             out.push(format!("CPU \"{}\", not \"{}\"", self.cpu, now.cpu));
         }
+        if !self.arithmetic.is_empty() && self.arithmetic != now.arithmetic {
+            out.push(format!(
+                "arithmetic fingerprint {}, not \"{}\" (this build computes other floats; \
+                 continue with a build of commit {})",
+                self.arithmetic,
+                now.arithmetic,
+                self.git_commit.as_deref().unwrap_or("unknown")
+            ));
+        }
         out.join("; ")
     }
 
     /// One Markdown line for a report (whose text gives the command): version, commit,
-    /// numerics and date.
+    /// numerics (and arithmetic fingerprint), date and CPU.
     pub fn markdown(&self) -> String {
         let commit = self
             .git_commit
@@ -120,8 +152,12 @@ impl Made {
         let note = self.note.as_deref().map_or(String::new(), |n| {
             format!(" Note: {}.", n.trim_end_matches('.'))
         });
+        let arithmetic = match self.arithmetic.as_str() {
+            "" => String::new(),
+            a => format!(" (arithmetic `{a}`)"),
+        };
         format!(
-            "Made by headwise {}{commit} with `{}` numerics on {}{cpu}.{note}",
+            "Made by headwise {}{commit} with `{}` numerics{arithmetic} on {}{cpu}.{note}",
             self.headwise_version, self.numerics, self.date
         )
     }
@@ -342,5 +378,35 @@ mod tests {
         assert!(note.contains("predate the recorded CPU"), "{note}");
         assert_eq!(here.continuing(&here).note, None);
         assert!(here.markdown().ends_with(&format!(" ({}).", here.cpu)));
+    }
+
+    #[test]
+    fn a_file_resumes_only_with_the_same_arithmetic() {
+        let here = Made::now("fast").with_arithmetic("0123456789abcdef".into());
+        assert!(here.resumable_by(&here.clone()));
+        let other = Made::now("fast").with_arithmetic("fedcba9876543210".into());
+        assert!(!here.resumable_by(&other));
+        let why = here.mismatch(&other);
+        assert!(
+            why.starts_with("arithmetic fingerprint 0123456789abcdef, not \"fedcba9876543210\""),
+            "{why}"
+        );
+        // a file from before the fingerprint is continued, and the folder says so
+        let before = Made::now("fast");
+        assert!(before.resumable_by(&here));
+        let note = here.continuing(&before).note.unwrap();
+        assert!(
+            note.contains("predate the recorded arithmetic fingerprint"),
+            "{note}"
+        );
+        assert_eq!(here.continuing(&here).note, None);
+        assert!(here
+            .markdown()
+            .contains("numerics (arithmetic `0123456789abcdef`) on"));
+        // written only when taken
+        let json = serde_json::to_value(Made::now("fast")).unwrap();
+        assert!(json.get("arithmetic").is_none());
+        let json = serde_json::to_value(&here).unwrap();
+        assert_eq!(json["arithmetic"], "0123456789abcdef");
     }
 }

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use headwise::lab::eval::report::write_report;
 use headwise::lab::eval::run::{read_all_records, RunOptions, Runner, Shard, BASELINE};
 use headwise::lab::eval::spec::EvalSpec;
-use headwise::model::{LoadedModel, ModelId, Numerics};
+use headwise::model::{arithmetic_fingerprint, LoadedModel, ModelId, Numerics};
 use headwise::provenance::Made;
 
 fn spec() -> EvalSpec {
@@ -144,12 +144,14 @@ fn a_changed_spec_does_not_mix_into_an_old_run() {
     let mut s = spec();
     s.tasks[0].limit = Some(1);
     s.k = vec![0];
+    // as `eval run` makes it: with the fingerprint of the model's arithmetic
+    let now = made().with_arithmetic(arithmetic_fingerprint(&lm.model).unwrap());
     let opts = |dir: &Path| RunOptions {
         out_dir: dir.to_path_buf(),
         limit: None,
         shard: Shard::ALL,
         batch: 4,
-        made: made(),
+        made: now.clone(),
     };
     Runner::prepare(s.clone(), &lm, &id, opts(&dir))
         .unwrap()
@@ -169,12 +171,28 @@ fn a_changed_spec_does_not_mix_into_an_old_run() {
         serde_json::from_str(&std::fs::read_to_string(&run_json).unwrap()).unwrap();
     info["cpu"] = "Another CPU, avx2 fma f16c".into();
     std::fs::write(&run_json, serde_json::to_vec(&info).unwrap()).unwrap();
-    let err = Runner::prepare(s, &lm, &id, opts(&dir))
+    let err = Runner::prepare(s.clone(), &lm, &id, opts(&dir))
         .err()
         .expect("a run made on another CPU is refused")
         .to_string();
     assert!(
         err.contains("made with CPU \"Another CPU, avx2 fma f16c\", not"),
+        "{err}"
+    );
+    // this CPU, but a build whose arithmetic gave other floats
+    assert_eq!(info["arithmetic"], now.arithmetic.as_str());
+    info["cpu"] = now.cpu.as_str().into();
+    info["arithmetic"] = "0000000000000000".into();
+    std::fs::write(&run_json, serde_json::to_vec(&info).unwrap()).unwrap();
+    let err = Runner::prepare(s, &lm, &id, opts(&dir))
+        .err()
+        .expect("a run of other arithmetic is refused")
+        .to_string();
+    assert!(
+        err.contains(&format!(
+            "made with arithmetic fingerprint 0000000000000000, not \"{}\"",
+            now.arithmetic
+        )),
         "{err}"
     );
 }

@@ -15,7 +15,7 @@ use headwise::lab::heads::dynamic_ablation::{
 use headwise::lab::heads::dynamics::{dynamics, long_tail_svg, ActiveRule};
 use headwise::lab::heads::trace::{Effective, Trace, TraceConfig};
 use headwise::lab::tasks::{self, Encoder, Haystack, TaskKind, TaskSpec};
-use headwise::model::{LoadedModel, ModelId, Numerics};
+use headwise::model::{arithmetic_fingerprint, LoadedModel, ModelId, Numerics};
 use headwise::policy::ablation::AblationMode;
 use headwise::policy::ranking::Ranking;
 use headwise::probe::LabelKind;
@@ -239,6 +239,7 @@ pub fn run_ablation(args: DynamicAblationArgs) -> anyhow::Result<()> {
         "max_new": args.max_new,
         "numerics": numerics.name(),
         "cpu": headwise::provenance::cpu(),
+        "arithmetic": arithmetic_fingerprint(&lm.model)?,
         "random_heads": "seeded by prompt id",
     });
     let partial = out.join(".niah-ablation.partial.jsonl");
@@ -311,16 +312,19 @@ fn read_partial(partial: &Path, header: &serde_json::Value) -> anyhow::Result<Ve
         .transpose()
         .map_err(|e| anyhow::anyhow!("{}: unreadable header ({e})", partial.display()))?
         .unwrap_or(serde_json::Value::Null);
-    // a file written before the CPU was recorded is compared without it
+    // a file written before the CPU or the arithmetic fingerprint was recorded is
+    // compared without it
     let mut expected = header.clone();
-    if found.get("cpu").is_none() {
-        if let Some(fields) = expected.as_object_mut() {
-            fields.remove("cpu");
+    for field in ["cpu", "arithmetic"] {
+        if found.get(field).is_none() {
+            if let Some(fields) = expected.as_object_mut() {
+                fields.remove(field);
+            }
         }
     }
     if found != expected {
         anyhow::bail!(
-            "{} holds prompts of a different run (model, static set, --mode, --max-new, numerics or CPU: made on {}); remove it to start over",
+            "{} holds prompts of a different run (model, static set, --mode, --max-new, numerics, CPU or arithmetic fingerprint: made on {}); remove it to start over",
             partial.display(),
             found["cpu"].as_str().unwrap_or("an unrecorded CPU")
         );

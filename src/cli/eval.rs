@@ -9,7 +9,7 @@ use headwise::lab::eval::report::write_report;
 use headwise::lab::eval::run::{RunOptions, Runner, Shard};
 use headwise::lab::eval::spec::EvalSpec;
 use headwise::lock::OutputLock;
-use headwise::model::{LoadedModel, ModelId, Numerics};
+use headwise::model::{arithmetic_fingerprint, LoadedModel, ModelId, Numerics};
 use headwise::provenance::Made;
 
 use super::{LlamaCppArgs, ModelArgs};
@@ -133,7 +133,7 @@ pub fn run(cmd: EvalCommand) -> anyhow::Result<()> {
                 limit,
                 shard,
                 batch: batch as usize,
-                made: Made::now(numerics.name()),
+                made: resumable_made(&lm, numerics)?,
             };
             let runner = Runner::prepare(spec, &lm, &id, opts)?;
             for w in &runner.warnings {
@@ -175,7 +175,7 @@ pub fn run(cmd: EvalCommand) -> anyhow::Result<()> {
                 0,
                 "{bar:40} {pos}/{len} answers, {elapsed} elapsed, ETA {eta} {msg}",
             );
-            let made = Made::now(numerics.name());
+            let made = resumable_made(&lm, numerics)?;
             let n = kv_budget::run(&spec, &lm, &id, &dir, limit, &made, Some(&bar))?;
             bar.finish_and_clear();
             eprintln!("{n} answers generated");
@@ -223,6 +223,13 @@ pub fn run(cmd: EvalCommand) -> anyhow::Result<()> {
     }
 }
 
+/// The provenance of a run that continues its folder across processes: this process's,
+/// with the fingerprint of the model's arithmetic, so that records are continued only by
+/// a build that computes the same floats.
+fn resumable_made(lm: &LoadedModel, numerics: Numerics) -> anyhow::Result<Made> {
+    Ok(Made::now(numerics.name()).with_arithmetic(arithmetic_fingerprint(&lm.model)?))
+}
+
 fn rag(args: SweepArgs, report_only: bool) -> anyhow::Result<()> {
     use headwise::lab::rag_eval::{self as rag_eval, RagSpec};
     let SweepArgs {
@@ -246,7 +253,7 @@ fn rag(args: SweepArgs, report_only: bool) -> anyhow::Result<()> {
         0,
         "{bar:40} {pos}/{len} answers, {elapsed} elapsed, ETA {eta}",
     );
-    let made = Made::now(numerics.name());
+    let made = resumable_made(&lm, numerics)?;
     let n = match report_only {
         true => 0,
         false => rag_eval::run(&spec, &lm, &id, &data_dir, &dir, limit, &made, Some(&bar))?,

@@ -9,7 +9,7 @@ use clap::{Subcommand, ValueEnum};
 use headwise::lab::heads::run::{aggregate, LocosSteps, Scorer, TrialOutcome};
 use headwise::lab::heads::stability;
 use headwise::lab::tasks::{self, Haystack, TaskKind, TaskSpec};
-use headwise::model::{Config, GgufFile, LoadedModel, ModelId, Numerics};
+use headwise::model::{arithmetic_fingerprint, Config, GgufFile, LoadedModel, ModelId, Numerics};
 use headwise::policy::atlas::{self, AtlasFormat};
 use headwise::policy::presses::{DEFAULT_SINK, DEFAULT_WINDOW};
 use headwise::policy::ranking::{
@@ -316,6 +316,10 @@ struct PartialHeader {
     /// Absent in files written before it was recorded.
     #[serde(default)]
     cpu: Option<String>,
+    /// [`arithmetic_fingerprint`]: the same CPU with another build may give other floats.
+    /// Absent in files written before it was recorded.
+    #[serde(default)]
+    arithmetic: Option<String>,
 }
 
 impl PartialHeader {
@@ -329,6 +333,7 @@ impl PartialHeader {
             && known(&self.numerics, &now.numerics)
             && known(&self.haystack, &now.haystack)
             && known(&self.cpu, &now.cpu)
+            && known(&self.arithmetic, &now.arithmetic)
     }
 }
 
@@ -391,6 +396,7 @@ fn score(args: &ScoreArgs) -> anyhow::Result<()> {
         numerics: Some(numerics.name().to_string()),
         haystack: Some(haystack.name().to_string()),
         cpu: Some(headwise::provenance::cpu()),
+        arithmetic: Some(arithmetic_fingerprint(&lm.model)?),
     };
     let partial = dir.join(format!(
         ".{}{}.partial.jsonl",
@@ -522,7 +528,7 @@ fn resume(partial: &Path, header: &PartialHeader) -> anyhow::Result<Vec<TrialOut
         .map_err(|e| anyhow::anyhow!("{}: unreadable header ({e})", partial.display()))?;
     if !found.serves(header) {
         anyhow::bail!(
-            "{} holds trials of a different run (model, task, --max-new, --locos-steps, numerics, haystack or CPU: made on {}); remove it to start over",
+            "{} holds trials of a different run (model, task, --max-new, --locos-steps, numerics, haystack, CPU or arithmetic fingerprint: made on {}); remove it to start over",
             partial.display(),
             found.cpu.as_deref().unwrap_or("an unrecorded CPU")
         );
@@ -581,6 +587,7 @@ mod tests {
             numerics: Some("fast".into()),
             haystack: Some("data".into()),
             cpu: cpu.map(str::to_string),
+            arithmetic: None,
         };
         let here = header(Some("AMD EPYC, avx2 fma f16c"));
         assert!(here.serves(&here));

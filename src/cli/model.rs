@@ -1,10 +1,13 @@
-//! `headwise model fetch|info`.
+//! `headwise model fetch|info|fingerprint`.
 
 use std::path::PathBuf;
 
 use clap::Subcommand;
 use headwise::model::file::fetch::{self, Fetched, DEFAULT_MODELS_DIR};
-use headwise::model::{Config, GgufFile};
+use headwise::model::{arithmetic_fingerprint, Config, GgufFile, LoadedModel, Numerics};
+use headwise::provenance;
+
+use super::ModelArgs;
 
 #[derive(Subcommand, Debug)]
 pub enum ModelCommand {
@@ -22,6 +25,14 @@ pub enum ModelCommand {
     Info {
         /// GGUF file.
         path: PathBuf,
+    },
+    /// Print the fingerprint of the model's arithmetic in this build, on this CPU, with
+    /// these numerics: a hash of the exact logits of a fixed computation. A resumed
+    /// evaluation (`eval run`, `eval kv-budget`, `eval rag`) continues a folder only with
+    /// the fingerprint its `run.json` records (`arithmetic`).
+    Fingerprint {
+        #[command(flatten)]
+        model: ModelArgs,
     },
 }
 
@@ -48,6 +59,19 @@ pub fn run(cmd: ModelCommand) -> anyhow::Result<()> {
             }
             let types: Vec<String> = types.iter().map(|(t, n)| format!("{t} x{n}")).collect();
             println!("tensor types: {}", types.join(", "));
+        }
+        ModelCommand::Fingerprint { model } => {
+            let path = model.resolve()?;
+            let numerics = model.numerics_or(Numerics::Fast);
+            let lm = LoadedModel::load(&path, numerics)?;
+            println!(
+                "{}  {} {} numerics, {}, commit {}",
+                arithmetic_fingerprint(&lm.model)?,
+                path.display(),
+                numerics.name(),
+                provenance::cpu(),
+                option_env!("HEADWISE_GIT_COMMIT").unwrap_or("unknown")
+            );
         }
     }
     Ok(())

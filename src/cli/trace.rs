@@ -16,7 +16,7 @@ use headwise::lab::heads::trace::{
 };
 use headwise::lab::tasks::{self, Encoder, Haystack, TaskKind, TaskSpec};
 use headwise::lock::OutputLock;
-use headwise::model::{Interventions, LoadedModel, ModelId, Numerics};
+use headwise::model::{arithmetic_fingerprint, Interventions, LoadedModel, ModelId, Numerics};
 use headwise::probe::LabelKind;
 use headwise::provenance::{self, Made};
 use headwise::rag::corpus::CorpusFormat;
@@ -169,6 +169,7 @@ pub fn run(args: TraceArgs) -> anyhow::Result<()> {
         config: cfg,
         numerics: numerics.name().to_string(),
         cpu: provenance::cpu(),
+        arithmetic: Some(arithmetic_fingerprint(&lm.model)?),
     };
     let partial = dir.join(format!(".{file_name}.partial.jsonl"));
     let mut done = resume(&partial, &header)?;
@@ -261,7 +262,7 @@ pub fn run(args: TraceArgs) -> anyhow::Result<()> {
 /// The first line of a trace's partial file: the run its prompts belong to. Under the
 /// same header a prompt's line is reused by any grid that holds the same id and tokens
 /// ([`PartialPrompt::tokens`]).
-#[derive(Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 struct PartialHeader {
     model_sha256: String,
     task: String,
@@ -269,6 +270,10 @@ struct PartialHeader {
     numerics: String,
     /// [`provenance::cpu`]: greedy steps differ between kernels.
     cpu: String,
+    /// [`arithmetic_fingerprint`]: the same CPU with another build may give other floats.
+    /// Absent in files written before it was recorded.
+    #[serde(default)]
+    arithmetic: Option<String>,
 }
 
 /// One prompt's steps, a line of the partial file.
@@ -312,9 +317,14 @@ fn resume(
     };
     let found: PartialHeader = serde_json::from_str(first)
         .map_err(|e| anyhow::anyhow!("{}: unreadable header ({e})", partial.display()))?;
-    if found != *header {
+    // a file written before the fingerprint was recorded is compared without it
+    let expected = PartialHeader {
+        arithmetic: found.arithmetic.as_ref().and(header.arithmetic.clone()),
+        ..header.clone()
+    };
+    if found != expected {
         anyhow::bail!(
-            "{} holds prompts of a different trace (model, task, --max-new, --teacher, --sink, --window, numerics or CPU: made on {}); remove it to start over",
+            "{} holds prompts of a different trace (model, task, --max-new, --teacher, --sink, --window, numerics, CPU or arithmetic fingerprint: made on {}); remove it to start over",
             partial.display(),
             found.cpu
         );

@@ -302,9 +302,9 @@ impl Versioned for RagRun {
     const SCHEMA_VERSION: u32 = 1;
 }
 
-/// Check `out/run.json` against this run, or write it when the folder has none: a
-/// folder of another model, numerics or CPU is an error. `records` is how many records
-/// the folder holds already.
+/// Check `out/run.json` against this run, or write it when the folder has none (or has
+/// one without an arithmetic fingerprint): a folder of another model, numerics, CPU or
+/// arithmetic is an error. `records` is how many records the folder holds already.
 fn check_run(out: &Path, id: &ModelId, made: &Made, records: usize) -> Result<()> {
     let path = out.join("run.json");
     if path.exists() {
@@ -329,7 +329,17 @@ fn check_run(out: &Path, id: &ModelId, made: &Made, records: usize) -> Result<()
                 ),
             ));
         }
-        return Ok(());
+        if !old.made.arithmetic.is_empty() || made.arithmetic.is_empty() {
+            return Ok(());
+        }
+        // a folder from before the fingerprint: from now on it is checked against this one
+        let info = RagRun {
+            made: made.continuing(&old.made),
+            ..old
+        };
+        let json =
+            serde_json::to_vec_pretty(&info).map_err(|e| Error::invalid("json", e.to_string()))?;
+        return write_atomic(&path, &json);
     }
     let note = (records > 0).then(|| {
         format!("{records} records predate this file: their numerics and CPU were not recorded")

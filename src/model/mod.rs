@@ -8,6 +8,7 @@ mod attention;
 pub mod cache;
 pub mod config;
 pub mod file;
+pub mod fingerprint;
 pub mod generate;
 pub mod intervene;
 pub mod loaded;
@@ -21,6 +22,7 @@ pub mod transformer;
 pub use cache::{HeadCache, KvBytes, Retention, RowFormat, TopK};
 pub use config::{Architecture, Config, LayerSpec, RopeStyle, SlidingWindow};
 pub use file::gguf::{GgufFile, ModelId};
+pub use fingerprint::arithmetic_fingerprint;
 pub use generate::{
     entropy, generate, generate_batch, GenerateOptions, Generation, Sampler, Sampling, StopReason,
 };

@@ -13,6 +13,7 @@ use rayon::prelude::*;
 use super::rows::{mask_values, with_data, Kv, KvRows, Shapes};
 use crate::model::numerics::fast_exp;
 use crate::model::numerics::kernels::Isa;
+use crate::model::numerics::PARTITION_THREADS;
 use crate::Result;
 
 /// Lanes of the vectorised dot product.
@@ -387,10 +388,11 @@ pub(super) fn decode_rows_on(
     let nh = q.len() / dh;
     let group = nh / nkv;
     let scale = 1.0 / (dh as f32).sqrt();
-    // Enough tasks for two per thread, in parts of at least MIN_PART keys.
+    // Two tasks per thread of PARTITION_THREADS (not the pool's size: the parts change
+    // the floats), in parts of at least MIN_PART keys.
     let mut tasks = Vec::new();
     for (kv_head, rows) in heads.iter().enumerate() {
-        let parts = (2 * rayon::current_num_threads())
+        let parts = (2 * PARTITION_THREADS)
             .div_ceil(nkv)
             .min(rows.len().div_ceil(MIN_PART))
             .max(1);

@@ -20,6 +20,7 @@ use super::blocks::{q4_k_to_q4_1, q5_0_to_q8_0, quantize_q8_0, Activations, Form
 use super::dot::{weight_row, Supported};
 use super::isa::Isa;
 use super::panel::{self, Panel};
+use crate::model::numerics::PARTITION_THREADS;
 
 /// Activation rows from which a product goes through dequantized tiles and `gemm`.
 pub const TILED_MIN_ROWS: usize = 8;
@@ -229,10 +230,11 @@ impl BlockMatrix {
     }
 
     /// Weight rows per dequantized tile: at most [`TILE_BYTES`] of f32, and a count of
-    /// tiles that is a multiple of the thread count (at least two each), so that both
-    /// cores finish together; a multiple of 8 rows.
+    /// tiles that is a multiple of [`PARTITION_THREADS`] (at least two each), so that
+    /// both cores of a two-thread machine finish together; a multiple of 8 rows. Not the
+    /// pool's size: the tile's width changes how `gemm` blocks its sums.
     fn tile_rows(&self) -> usize {
-        let threads = rayon::current_num_threads().max(1);
+        let threads = PARTITION_THREADS;
         let cap = (TILE_BYTES / 4 / self.cols).max(8);
         let tiles = self
             .rows
