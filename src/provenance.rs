@@ -15,8 +15,10 @@
 //! differ from it); it is `null` in a build outside a git checkout. `cpu` ([`cpu`]) names
 //! the CPU model and its SIMD extensions: the fast numerics choose their kernels by them at
 //! run time, and greedy outputs differ between kernels, so a run that resumes a file made
-//! on another CPU is refused ([`Made::resumable_by`]). [`machine`] adds the thread count,
-//! for reports that measure speed.
+//! on another CPU is refused ([`Made::resumable_by`]). Files that runs continue also
+//! carry `arithmetic`, the fingerprint of the floats the build computes on that CPU
+//! ([`crate::model::arithmetic_fingerprint`]); another fingerprint is refused too.
+//! [`machine`] adds the thread count, for reports that measure speed.
 
 use serde::{Deserialize, Serialize};
 
@@ -93,22 +95,30 @@ impl Made {
 
     /// `self` (a run continuing a folder whose file was made with `old`) with the note a
     /// mixed folder needs: records made before the CPU or the arithmetic fingerprint was
-    /// recorded keep saying so, with their date and commit (the run stamps its own on the
-    /// folder, which are theirs only if nothing says otherwise); an earlier note is kept.
+    /// recorded keep saying so, with this run's start as the boundary and the start and
+    /// commit of the last run before it (the run stamps its own on the folder, which are
+    /// theirs only if nothing says otherwise); an earlier note is kept, the new one
+    /// appended.
     pub fn continuing(&self, old: &Made) -> Made {
         let unrecorded = match (old.cpu.is_empty(), old.arithmetic.is_empty()) {
+            (true, true) if !self.arithmetic.is_empty() => "CPU and arithmetic fingerprint",
             (true, _) => "CPU",
             (false, true) if !self.arithmetic.is_empty() => "arithmetic fingerprint",
             _ => "",
         };
-        let note = match (&old.note, unrecorded) {
-            (Some(n), _) => Some(n.clone()),
-            (None, "") => self.note.clone(),
-            (None, what) => Some(format!(
-                "records made up to {} (commit {}) predate the recorded {what}",
+        let says = (!unrecorded.is_empty()).then(|| {
+            format!(
+                "the records made before {} (the last run then began {}, commit {}) predate \
+                 the recorded {unrecorded}",
+                self.date,
                 old.date,
                 old.git_commit.as_deref().unwrap_or("unknown")
-            )),
+            )
+        });
+        let note = match (&old.note, says) {
+            (Some(n), Some(s)) => Some(format!("{}; {s}", n.trim_end_matches('.'))),
+            (Some(n), None) => Some(n.clone()),
+            (None, s) => s.or_else(|| self.note.clone()),
         };
         Made {
             note,
@@ -128,8 +138,8 @@ impl Made {
         }
         if !self.arithmetic.is_empty() && self.arithmetic != now.arithmetic {
             out.push(format!(
-                "arithmetic fingerprint {}, not \"{}\" (this build computes other floats; \
-                 continue with a build of commit {})",
+                "arithmetic fingerprint \"{}\", not \"{}\" (this build computes other \
+                 floats; continue with a build of commit {})",
                 self.arithmetic,
                 now.arithmetic,
                 self.git_commit.as_deref().unwrap_or("unknown")
@@ -388,7 +398,9 @@ mod tests {
         assert!(!here.resumable_by(&other));
         let why = here.mismatch(&other);
         assert!(
-            why.starts_with("arithmetic fingerprint 0123456789abcdef, not \"fedcba9876543210\""),
+            why.starts_with(
+                "arithmetic fingerprint \"0123456789abcdef\", not \"fedcba9876543210\""
+            ),
             "{why}"
         );
         // a file from before the fingerprint is continued, and the folder says so
@@ -396,10 +408,30 @@ mod tests {
         assert!(before.resumable_by(&here));
         let note = here.continuing(&before).note.unwrap();
         assert!(
-            note.contains("predate the recorded arithmetic fingerprint"),
+            note.starts_with(&format!("the records made before {}", here.date))
+                && note.ends_with("predate the recorded arithmetic fingerprint"),
             "{note}"
         );
         assert_eq!(here.continuing(&here).note, None);
+        // an earlier note is kept and the new one appended; both fields missing say so
+        let noted = Made {
+            note: Some("cpu filled in afterwards.".into()),
+            ..before.clone()
+        };
+        let note = here.continuing(&noted).note.unwrap();
+        assert!(
+            note.starts_with("cpu filled in afterwards; the records made before"),
+            "{note}"
+        );
+        let bare = Made {
+            cpu: String::new(),
+            ..before
+        };
+        let note = here.continuing(&bare).note.unwrap();
+        assert!(
+            note.ends_with("predate the recorded CPU and arithmetic fingerprint"),
+            "{note}"
+        );
         assert!(here
             .markdown()
             .contains("numerics (arithmetic `0123456789abcdef`) on"));

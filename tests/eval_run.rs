@@ -190,7 +190,7 @@ fn a_changed_spec_does_not_mix_into_an_old_run() {
         .to_string();
     assert!(
         err.contains(&format!(
-            "made with arithmetic fingerprint 0000000000000000, not \"{}\"",
+            "made with arithmetic fingerprint \"0000000000000000\", not \"{}\"",
             now.arithmetic
         )),
         "{err}"

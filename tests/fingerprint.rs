@@ -1,7 +1,7 @@
 //! The arithmetic fingerprint that guards resumed runs: it is the same on every thread
 //! count (the work whose split changes the floats is split the same way on any pool),
 //! it tells models with different weights or numerics apart, and on the real model it
-//! is the same on one and two threads.
+//! is the same on 1, 2, 8 and 16 threads.
 
 mod common;
 
@@ -64,9 +64,11 @@ fn other_weights_or_numerics_give_another_fingerprint() {
 }
 
 #[test]
-fn the_real_model_has_one_fingerprint_on_one_and_two_threads() {
+fn the_real_model_has_one_fingerprint_on_every_thread_count() {
     let lm = LoadedModel::load(&common::real_model(), Numerics::Fast).unwrap();
     let one = on_threads(1, || arithmetic_fingerprint(&lm.model).unwrap());
-    let two = on_threads(2, || arithmetic_fingerprint(&lm.model).unwrap());
-    assert_eq!(one, two);
+    for threads in [2, 8, 16] {
+        let many = on_threads(threads, || arithmetic_fingerprint(&lm.model).unwrap());
+        assert_eq!(many, one, "{threads} threads");
+    }
 }

@@ -594,5 +594,13 @@ mod tests {
         assert!(!header(Some("Intel Xeon, avx2 avx512f")).serves(&here));
         // a file written before the CPU was recorded
         assert!(header(None).serves(&here));
+        // the same CPU, but another build's floats; a file from before the fingerprint
+        let with = |a: &str| PartialHeader {
+            arithmetic: Some(a.into()),
+            ..header(Some("AMD EPYC, avx2 fma f16c"))
+        };
+        assert!(with("0123").serves(&with("0123")));
+        assert!(!with("0123").serves(&with("4567")));
+        assert!(here.serves(&with("4567")));
     }
 }

@@ -2,8 +2,8 @@
 //! variant (closed book, all paragraphs, `once`, `every_n`, `rind`, `retrieval_heads`),
 //! retrieving with BM25 from the task's paragraph pool (every question's paragraphs,
 //! deduplicated, indexed in memory). One JSON line per (task, question, variant) in
-//! `records.jsonl`, so a run resumes; `run.json` ([`RagRun`]) names the model, numerics
-//! and CPU of the records, and a resumed run of another is refused. [`write_report`]
+//! `records.jsonl`, so a run resumes; `run.json` ([`RagRun`]) names the model, numerics,
+//! CPU and arithmetic fingerprint of the records, and a resumed run of another is refused. [`write_report`]
 //! writes `summary.json` (em, f1, retrievals, generated_tokens, secs) and `README.md`.
 //!
 //! ```toml
@@ -285,14 +285,16 @@ pub struct RagRecord {
 
 /// `run.json` of a RAG run folder: the model and how the folder's records were made.
 /// Records are keyed by (task, question, variant), so a spec may gain variants between
-/// runs; a run with another model, numerics or CPU is refused (greedy answers differ).
+/// runs; a run with another model, numerics, CPU or arithmetic fingerprint is refused
+/// (greedy answers differ).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RagRun {
     pub schema_version: u32,
     pub model: String,
     pub model_sha256: String,
-    /// Numerics, CPU, build, command line and date of the first run into the folder
-    /// (`note` counts the records older than this file, whose CPU is unknown).
+    /// Numerics, CPU, build, command line and date of the first run into the folder, or
+    /// of the first run that recorded the arithmetic fingerprint (`note` says which
+    /// records are older than what this file records).
     #[serde(flatten)]
     pub made: Made,
 }
@@ -810,6 +812,8 @@ pub fn write_report(
             Made {
                 numerics: run.numerics,
                 cpu: run.cpu,
+                arithmetic: run.arithmetic,
+                note: run.note,
                 ..made.clone()
             }
         }

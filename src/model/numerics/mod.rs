@@ -22,5 +22,8 @@ pub use ops::Ops;
 /// are reproduced by a run on another with the same kernels (the arithmetic fingerprint,
 /// `crate::model::fingerprint`, checks it). Two, the machines' count: their floats are
 /// the ones every record before this constant was made with. A larger pool takes the
-/// same tasks (at least four per product or step), fewer per thread.
+/// same tasks, fewer per thread: four tiles per prefill product (more for products whose
+/// f32 tiles would be larger), and four parts of the keys per decode step shared among
+/// the KV heads (at least one each), so a pool of more than four threads leaves some
+/// threads idle in those two places.
 pub(crate) const PARTITION_THREADS: usize = 2;

@@ -457,6 +457,31 @@ mod tests {
     }
 
     #[test]
+    fn tiled_products_are_the_same_on_every_pool_size() {
+        // 1,536 columns: past 512, where gemm's blocking of the sums depends on the
+        // tile's width; 576 rows: tiles that would shrink with more threads
+        let (rows, cols, n) = (576, 1536, 29);
+        let m = random_blocks(Format::Q8_0, rows, cols, 7);
+        let x = floats(n * cols, 13, 2.0);
+        let on = |threads: usize| {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap()
+                .install(|| (m.tile_rows(), m.tiled_product(&x, n)))
+        };
+        let (tile, one) = on(1);
+        for threads in [2, 3, 16, 64] {
+            let (t, y) = on(threads);
+            assert_eq!(t, tile, "{threads} threads");
+            assert!(
+                y.iter().zip(&one).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{threads} threads"
+            );
+        }
+    }
+
+    #[test]
     fn a_row_gives_the_same_bits_in_any_batch() {
         // up to 33 rows: panels of 16 or 6 with remainders, beyond the tiled threshold
         let (rows, cols, n) = (33, 64, 33);
