@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use clap::Subcommand;
 use headwise::model::file::fetch::{self, Fetched, DEFAULT_MODELS_DIR};
 use headwise::model::{arithmetic_fingerprint, Config, GgufFile, LoadedModel, Numerics};
-use headwise::provenance;
+use headwise::provenance::Made;
 
 use super::ModelArgs;
 
@@ -27,7 +27,7 @@ pub enum ModelCommand {
         path: PathBuf,
     },
     /// Print the fingerprint of the model's arithmetic in this build, on this CPU, with
-    /// these numerics: a hash of the exact logits of a fixed computation. A resumed
+    /// these numerics: a hash of the exact floats of a fixed computation. A resumed
     /// evaluation (`eval run`, `eval kv-budget`, `eval rag`) continues a folder only with
     /// the fingerprint its `run.json` records (`arithmetic`).
     Fingerprint {
@@ -64,13 +64,14 @@ pub fn run(cmd: ModelCommand) -> anyhow::Result<()> {
             let path = model.resolve()?;
             let numerics = model.numerics_or(Numerics::Fast);
             let lm = LoadedModel::load(&path, numerics)?;
+            let made = Made::now(numerics.name());
             println!(
                 "{}  {} {} numerics, {}, commit {}",
                 arithmetic_fingerprint(&lm.model)?,
                 path.display(),
-                numerics.name(),
-                provenance::cpu(),
-                option_env!("HEADWISE_GIT_COMMIT").unwrap_or("unknown")
+                made.numerics,
+                made.cpu,
+                made.git_commit.as_deref().unwrap_or("unknown")
             );
         }
     }
