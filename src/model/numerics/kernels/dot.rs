@@ -1,6 +1,6 @@
-//! Block dot products of one weight row against `R` activation rows (1-4): the inner
-//! loop of every [`BlockMatrix`](super::BlockMatrix) product, one implementation per
-//! instruction set.
+//! Block dot products of one Q8_0 or Q5_0 weight row against `R` activation rows (1-4):
+//! the inner loop of those formats' [`BlockMatrix`](super::BlockMatrix) products, one
+//! implementation per instruction set (Q4_1 has its own, `interleaved`).
 //!
 //! All of them compute the same floats. Per block, the integer products are summed in
 //! eight lanes of four adjacent elements (what `vpdpbusd` does, and `vpmaddubsw` followed
@@ -13,14 +13,13 @@
 //! AVX-512 kernels hold an even and an odd block in the two halves of one 512-bit
 //! register, which are exactly the two accumulators.
 //!
-//! The x86 kernels multiply unsigned by signed bytes: Q4_1's nibbles are unsigned as they
-//! are; for Q8_0 each block is fed `|q_w|` and the activation with `q_w`'s sign moved onto
-//! it (same products), and Q5_0's codes are first unpacked to the signed bytes `q - 16`
+//! The x86 kernels multiply unsigned by signed bytes: for Q8_0 each block is fed `|q_w|`
+//! and the activation with `q_w`'s sign moved onto it (same products), and Q5_0's codes are first unpacked to the signed bytes `q - 16`
 //! and then treated as Q8_0's. Every value stays in `[-127, 127]`, so `vpmaddubsw`'s
 //! 16-bit pair sums (at most `2 * 127 * 127`) cannot saturate.
 //!
 //! Q5_0 runs one block per 256-bit register on every instruction set, AVX-512 VNNI
-//! included (its 256-bit `vpdpbusd`): its blocks are not paired as Q4_1's and Q8_0's are.
+//! included (its 256-bit `vpdpbusd`): its blocks are not paired as Q8_0's are.
 
 use half::f16;
 
@@ -45,14 +44,19 @@ impl Supported {
 
 /// `out[r] = sum over blocks of row `w` (`format`) times `x[r]`.
 ///
-/// Panics if `w` is not `x[r].blocks()` blocks of `format` for every `r` (callers check
-/// shapes once per matrix).
+/// Panics if `format` is Q4_1 (interleaved, not row after row) or `w` is not
+/// `x[r].blocks()` blocks of `format` for every `r` (callers check shapes once per
+/// matrix).
 pub(super) fn weight_row<const R: usize>(
     isa: Supported,
     format: Format,
     x: [&Activations; R],
     w: &[u8],
 ) -> [f32; R] {
+    assert!(
+        format != Format::Q4_1,
+        "Q4_1 rows are interleaved: see `interleaved`"
+    );
     for xr in &x {
         assert!(
             w.len() == xr.blocks() * format.block_bytes() && xr.q.len() == xr.blocks() * QK,
@@ -61,11 +65,10 @@ pub(super) fn weight_row<const R: usize>(
     }
     match (isa.0, format) {
         (Isa::Portable, _) => std::array::from_fn(|r| portable(format, x[r], w)),
-        // SAFETY (all nine): `Supported` checked that the CPU has the features the
+        (_, Format::Q4_1) => unreachable!("checked above"),
+        // SAFETY (all seven): `Supported` checked that the CPU has the features the
         // function enables (every `Isa` past `Portable` includes AVX2, FMA and F16C), and
         // the lengths were checked above.
-        #[cfg(target_arch = "x86_64")]
-        (Isa::Avx2, Format::Q4_1) => unsafe { x86::q4_1_avx2(x, w) },
         #[cfg(target_arch = "x86_64")]
         (Isa::Avx2, Format::Q8_0) => unsafe { x86::q8_0_avx2(x, w) },
         #[cfg(target_arch = "x86_64")]
@@ -75,11 +78,7 @@ pub(super) fn weight_row<const R: usize>(
         #[cfg(target_arch = "x86_64")]
         (Isa::Avx512Vnni, Format::Q5_0) => unsafe { x86::q5_0_vnni(x, w) },
         #[cfg(target_arch = "x86_64")]
-        (Isa::AvxVnni, Format::Q4_1) => unsafe { x86::q4_1_avxvnni(x, w) },
-        #[cfg(target_arch = "x86_64")]
         (Isa::AvxVnni, Format::Q8_0) => unsafe { x86::q8_0_avxvnni(x, w) },
-        #[cfg(target_arch = "x86_64")]
-        (Isa::Avx512Vnni, Format::Q4_1) => unsafe { x86::q4_1_vnni(x, w) },
         #[cfg(target_arch = "x86_64")]
         (Isa::Avx512Vnni, Format::Q8_0) => unsafe { x86::q8_0_vnni(x, w) },
         #[cfg(not(target_arch = "x86_64"))]
@@ -90,20 +89,13 @@ pub(super) fn weight_row<const R: usize>(
 /// The portable loop, in the lane order of the x86 kernels.
 fn portable(format: Format, x: &Activations, w: &[u8]) -> f32 {
     let mut acc = [[0f32; 8]; 2];
-    let mut offset = 0f32;
     let mut q = [0i32; QK];
     for (b, blk) in w.chunks_exact(format.block_bytes()).enumerate() {
         let xq = &x.q[b * QK..(b + 1) * QK];
-        let [dx, dx_sum] = x.scales[b];
+        let dx = x.scales[b][0];
         let d = f16::from_le_bytes([blk[0], blk[1]]).to_f32();
         match format {
-            Format::Q4_1 => {
-                for (j, &byte) in blk[4..4 + QK / 2].iter().enumerate() {
-                    q[j] = (byte & 0x0F) as i32;
-                    q[j + QK / 2] = (byte >> 4) as i32;
-                }
-                offset += f16::from_le_bytes([blk[2], blk[3]]).to_f32() * dx_sum;
-            }
+            Format::Q4_1 => unreachable!("checked by `weight_row`"),
             Format::Q5_0 => {
                 for (o, c) in q.iter_mut().zip(q5_0_codes(blk)) {
                     *o = c as i32;
@@ -123,7 +115,7 @@ fn portable(format: Format, x: &Activations, w: &[u8]) -> f32 {
     }
     let v: [f32; 8] = std::array::from_fn(|i| acc[0][i] + acc[1][i]);
     let s4: [f32; 4] = std::array::from_fn(|i| v[i + 4] + v[i]);
-    ((s4[0] + s4[2]) + (s4[1] + s4[3])) + offset
+    (s4[0] + s4[2]) + (s4[1] + s4[3])
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -201,46 +193,10 @@ pub(super) mod x86 {
         };
     }
 
-    /// The Q4_1 and Q8_0 kernels of one instruction set, given its integer dot product,
-    /// and the signed-code kernel under the Q8_0 one.
+    /// The Q8_0 kernel of one instruction set, given its integer dot product, and the
+    /// signed-code kernel under it.
     macro_rules! kernels {
-        ($q4_1:ident, $q8_0:ident, $signed:ident, $features:literal, $dot:ident) => {
-            /// Q4_1 row `w` against `R` activation rows.
-            #[target_feature(enable = $features)]
-            pub(super) unsafe fn $q4_1<const R: usize>(x: [&Activations; R], w: &[u8]) -> [f32; R] {
-                let low = _mm_set1_epi8(0x0F);
-                let mut acc = [[_mm256_setzero_ps(); 2]; R];
-                // Lane 1 accumulates `m * d_x * sum(q_x)`; lane 0 is scratch.
-                let mut offsets = [_mm_setzero_ps(); R];
-                let nb = x[0].blocks();
-                for b in 0..nb {
-                    let blk = w.as_ptr().add(b * 20);
-                    _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(PREFETCH) as *const i8);
-                    // (d, m) as f32 lanes 0 and 1.
-                    let dm = _mm_cvtph_ps(_mm_cvtsi32_si128((blk as *const i32).read_unaligned()));
-                    let packed = _mm_loadu_si128(blk.add(4) as *const __m128i);
-                    let lo = _mm_and_si128(packed, low);
-                    let hi = _mm_and_si128(_mm_srli_epi16(packed, 4), low);
-                    let wv = _mm256_set_m128i(hi, lo);
-                    for r in 0..R {
-                        let xs =
-                            _mm_castpd_ps(_mm_load_sd(x[r].scales.as_ptr().add(b) as *const f64));
-                        let scales = _mm_mul_ps(dm, xs);
-                        offsets[r] = _mm_add_ps(offsets[r], scales);
-                        let xv = _mm256_loadu_si256(x[r].q.as_ptr().add(b * QK) as *const __m256i);
-                        let dot = _mm256_cvtepi32_ps($dot(wv, xv));
-                        acc[r][b % 2] =
-                            _mm256_fmadd_ps(dot, _mm256_broadcastss_ps(scales), acc[r][b % 2]);
-                    }
-                }
-                let mut out = [0f32; R];
-                for r in 0..R {
-                    out[r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1]))
-                        + _mm_cvtss_f32(_mm_shuffle_ps(offsets[r], offsets[r], 1));
-                }
-                out
-            }
-
+        ($q8_0:ident, $signed:ident, $features:literal, $dot:ident) => {
             signed!($signed, $features, $dot);
 
             /// Q8_0 row `w` against `R` activation rows.
@@ -251,7 +207,7 @@ pub(super) mod x86 {
         };
     }
 
-    kernels!(q4_1_avx2, q8_0_avx2, signed_avx2, "avx2,fma,f16c", dot_avx2);
+    kernels!(q8_0_avx2, signed_avx2, "avx2,fma,f16c", dot_avx2);
 
     /// Byte `i` is all ones where bit `i` of `bits` is set, else zero.
     #[inline]
@@ -296,7 +252,6 @@ pub(super) mod x86 {
         signed_avx2::<R, 22>(x, w, |blk| q5_0_signed(blk))
     }
     kernels!(
-        q4_1_avxvnni,
         q8_0_avxvnni,
         signed_avxvnni,
         "avxvnni,avx2,fma,f16c",
@@ -343,17 +298,6 @@ pub(super) mod x86 {
         )
     }
 
-    /// The 32 nibbles of the Q4_1 block at `blk` as bytes, low halves first.
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    pub(in crate::model::numerics::kernels) unsafe fn q4_1_nibbles(blk: *const u8) -> __m256i {
-        let low = _mm_set1_epi8(0x0F);
-        let packed = _mm_loadu_si128(blk.add(4) as *const __m128i);
-        let lo = _mm_and_si128(packed, low);
-        let hi = _mm_and_si128(_mm_srli_epi16(packed, 4), low);
-        _mm256_set_m128i(hi, lo)
-    }
-
     /// The codes of the Q8_0 blocks at `b0` and `b1` (low and high half): their absolute
     /// values, and the mask of the negative ones (AVX-512 has no `vpsignb`: the
     /// activation is negated under it instead).
@@ -373,53 +317,6 @@ pub(super) mod x86 {
     // accumulator of the 256-bit kernels and the high half the odd one: every lane sees
     // the same fused multiply-adds in the same order. An odd last block goes to the low
     // half alone.
-
-    /// Q4_1 row `w` against `R` activation rows, two blocks per step.
-    #[target_feature(enable = "avx512vnni,avx512bw,avx512vl,avx512f,avx2,fma,f16c")]
-    pub(super) unsafe fn q4_1_vnni<const R: usize>(x: [&Activations; R], w: &[u8]) -> [f32; R] {
-        let nibbles = |blk: *const u8| q4_1_nibbles(blk);
-        // (d, m) of a block as f32 lanes 0 and 1.
-        let dm =
-            |blk: *const u8| _mm_cvtph_ps(_mm_cvtsi32_si128((blk as *const i32).read_unaligned()));
-        let mut acc = [_mm512_setzero_ps(); R];
-        // Lane 1 accumulates `m * d_x * sum(q_x)` block after block; lane 0 is scratch.
-        let mut offsets = [_mm_setzero_ps(); R];
-        let nb = x[0].blocks();
-        for p in 0..nb / 2 {
-            let b = 2 * p;
-            let (b0, b1) = (w.as_ptr().add(b * 20), w.as_ptr().add((b + 1) * 20));
-            _mm_prefetch::<_MM_HINT_T0>(b0.wrapping_add(PREFETCH) as *const i8);
-            let wv = _mm512_inserti64x4(_mm512_castsi256_si512(nibbles(b0)), nibbles(b1), 1);
-            let (dm0, dm1) = (dm(b0), dm(b1));
-            for r in 0..R {
-                let xs = x[r].scales.as_ptr().add(b) as *const f64;
-                let s0 = _mm_mul_ps(dm0, _mm_castpd_ps(_mm_load_sd(xs)));
-                let s1 = _mm_mul_ps(dm1, _mm_castpd_ps(_mm_load_sd(xs.add(1))));
-                offsets[r] = _mm_add_ps(_mm_add_ps(offsets[r], s0), s1);
-                let xv = _mm512_loadu_si512(x[r].q.as_ptr().add(b * QK) as *const __m512i);
-                let dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv));
-                let scale = join_ps(_mm256_broadcastss_ps(s0), _mm256_broadcastss_ps(s1));
-                acc[r] = _mm512_fmadd_ps(dot, scale, acc[r]);
-            }
-        }
-        let mut out = [0f32; R];
-        for r in 0..R {
-            let (mut even, odd) = halves(acc[r]);
-            if nb % 2 == 1 {
-                let b = nb - 1;
-                let blk = w.as_ptr().add(b * 20);
-                let xs = x[r].scales.as_ptr().add(b) as *const f64;
-                let s = _mm_mul_ps(dm(blk), _mm_castpd_ps(_mm_load_sd(xs)));
-                offsets[r] = _mm_add_ps(offsets[r], s);
-                let xv = _mm256_loadu_si256(x[r].q.as_ptr().add(b * QK) as *const __m256i);
-                let dot = _mm256_cvtepi32_ps(dot_vnni(nibbles(blk), xv));
-                even = _mm256_fmadd_ps(dot, _mm256_broadcastss_ps(s), even);
-            }
-            out[r] = hsum(_mm256_add_ps(even, odd))
-                + _mm_cvtss_f32(_mm_shuffle_ps(offsets[r], offsets[r], 1));
-        }
-        out
-    }
 
     /// Q8_0 row `w` against `R` activation rows, two blocks per step. AVX-512 has no
     /// `vpsignb`: the activation is negated where the weight is negative, under a mask.

@@ -1,11 +1,12 @@
-//! [`BlockMatrix`]: a row-major `(rows, cols)` weight in Q4_1, Q5_0 or Q8_0 blocks and its
+//! [`BlockMatrix`]: a `(rows, cols)` weight in Q4_1, Q5_0 or Q8_0 blocks and its
 //! product with rows of activations, `y_i = W x_i`.
 //!
 //! Fewer than [`TILED_MIN_ROWS`] activation rows (decode, small batches) go through the
-//! integer kernels: each row quantized to 8 bits once, and each weight row streamed once
-//! for a panel of activation rows (`panel`: up to sixteen of Q4_1 or Q8_0 on
-//! AVX-512 VNNI, else six; one row alone goes to `dot`'s kernels), every row's
-//! result the same as if it were computed alone. More rows (prefill) go through dequantized tiles:
+//! integer kernels: each row quantized to 8 bits once; Q4_1 weights are held interleaved
+//! sixteen rows to a group and multiplied by `interleaved`'s kernels, one weight row per
+//! 32-bit lane; Q8_0 and Q5_0 rows are streamed once for a panel of activation rows
+//! (`panel`: up to sixteen of Q8_0 on AVX-512 VNNI, else six; one row alone goes to
+//! `dot`'s kernels). Every row's result is the same as if it were computed alone. More rows (prefill) go through dequantized tiles:
 //! a few weight rows at a time are expanded to f32 in a per-thread buffer of about
 //! `TILE_BYTES` and multiplied with all activation rows by `gemm`, so the f32 weight
 //! never exists whole and each expanded tile is used while it is in cache. A batch of
@@ -18,6 +19,7 @@ use rayon::prelude::*;
 
 use super::blocks::{q4_k_to_q4_1, q5_0_to_q8_0, quantize_q8_0, Activations, Format, QK};
 use super::dot::{weight_row, Supported};
+use super::interleaved::{self, GROUP};
 use super::isa::Isa;
 use super::panel::{self, Panel};
 use crate::model::numerics::PARTITION_THREADS;
@@ -32,31 +34,53 @@ const ROWS_PER_TASK: usize = 64;
 /// Target size of one dequantized tile (f32), about a core's share of L2.
 const TILE_BYTES: usize = 256 * 1024;
 
-/// A row-major `(rows, cols)` matrix of [`Format`] blocks; `cols` is a multiple of [`QK`].
+/// A `(rows, cols)` matrix of [`Format`] blocks; `cols` is a multiple of [`QK`].
 #[derive(Debug, Clone)]
 pub struct BlockMatrix {
     format: Format,
     rows: usize,
     cols: usize,
-    /// `rows * cols / QK` blocks, row after row.
+    /// Q8_0 and Q5_0: `rows * cols / QK` blocks, row after row. Q4_1: the same blocks
+    /// interleaved in groups of sixteen rows (`interleaved`), the last group padded.
     blocks: Vec<u8>,
 }
 
 impl BlockMatrix {
-    /// Take GGUF block data of `format` for a `(rows, cols)` matrix; `None` if the sizes do
-    /// not fit.
+    /// Take GGUF block data of `format` for a row-major `(rows, cols)` matrix; `None` if
+    /// the sizes do not fit.
     pub fn from_blocks(format: Format, blocks: Vec<u8>, rows: usize, cols: usize) -> Option<Self> {
         let fits = cols.is_multiple_of(QK)
             && rows
                 .checked_mul(cols / QK)
                 .and_then(|n| n.checked_mul(format.block_bytes()))
                 == Some(blocks.len());
-        fits.then_some(Self {
+        if !fits {
+            return None;
+        }
+        let blocks = match format {
+            Format::Q4_1 => interleaved::interleave(&blocks, rows, cols),
+            Format::Q5_0 | Format::Q8_0 => blocks,
+        };
+        Some(Self {
             format,
             rows,
             cols,
             blocks,
         })
+    }
+
+    /// The blocks row after row, as the file stores them.
+    fn into_file_blocks(self) -> Vec<u8> {
+        match self.format {
+            Format::Q4_1 => {
+                let nb = self.cols / QK;
+                (0..self.rows)
+                    .flat_map(|r| (0..nb).map(move |b| (r, b)))
+                    .flat_map(|(r, b)| interleaved::file_block(&self.blocks, nb, r, b))
+                    .collect()
+            }
+            Format::Q5_0 | Format::Q8_0 => self.blocks,
+        }
     }
 
     /// Quantize a row-major f32 `(rows, cols)` matrix to Q8_0; `None` if `cols` is not a
@@ -109,7 +133,10 @@ impl BlockMatrix {
             return Self::stack(parts);
         }
         let rows = parts.iter().map(|p| p.rows).sum();
-        let blocks = parts.into_iter().flat_map(|p| p.blocks).collect();
+        let blocks = parts
+            .into_iter()
+            .flat_map(BlockMatrix::into_file_blocks)
+            .collect();
         Self::from_blocks(format, blocks, rows, cols)
     }
 
@@ -128,7 +155,8 @@ impl BlockMatrix {
         self.cols
     }
 
-    /// Bytes of weight data (what one matrix-vector product streams).
+    /// Bytes of weight data (what one matrix-vector product streams; Q4_1's padding
+    /// rows included).
     pub fn bytes(&self) -> usize {
         self.blocks.len()
     }
@@ -137,18 +165,41 @@ impl BlockMatrix {
         self.cols / QK * self.format.block_bytes()
     }
 
+    /// Rows `r0..r1` dequantized into `out` (`(r1 - r0) * cols` floats, row-major).
+    fn dequantize_rows(&self, r0: usize, r1: usize, out: &mut [f32]) {
+        match self.format {
+            Format::Q4_1 => {
+                let nb = self.cols / QK;
+                for (r, row) in (r0..r1).zip(out.chunks_exact_mut(self.cols)) {
+                    for (b, o) in row.chunks_exact_mut(QK).enumerate() {
+                        let blk = interleaved::file_block(&self.blocks, nb, r, b);
+                        Format::Q4_1.dequantize(&blk, o);
+                    }
+                }
+            }
+            Format::Q5_0 | Format::Q8_0 => {
+                let rb = self.row_bytes();
+                self.format.dequantize(
+                    &self.blocks[r0 * rb..r1 * rb],
+                    &mut out[..(r1 - r0) * self.cols],
+                );
+            }
+        }
+    }
+
     /// Row `r` dequantized into `out` (`cols` floats); `None` if `r` is out of range.
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) -> Option<()> {
-        let rb = self.row_bytes();
-        let blocks = self.blocks.get(r * rb..(r + 1) * rb)?;
-        self.format.dequantize(blocks, out.get_mut(..self.cols)?);
+        if r >= self.rows {
+            return None;
+        }
+        self.dequantize_rows(r, r + 1, out.get_mut(..self.cols)?);
         Some(())
     }
 
     /// The whole matrix as row-major f32 `(rows, cols)`.
     pub fn dequantize(&self) -> Vec<f32> {
         let mut out = vec![0f32; self.rows * self.cols];
-        self.format.dequantize(&self.blocks, &mut out);
+        self.dequantize_rows(0, self.rows, &mut out);
         out
     }
 
@@ -172,7 +223,8 @@ impl BlockMatrix {
 
     /// [`BlockMatrix::quantized_product`] without the panel kernels: each weight row
     /// against groups of up to four activation rows, as before panels existed. The
-    /// same floats; for measuring what the panels buy (`headwise bench kernels`).
+    /// same floats; for measuring what the panels buy (`headwise bench kernels`). Q4_1
+    /// has no panels: its interleaved kernels run either way.
     pub fn grouped_product(&self, x: &[f32], n: usize, isa: Isa) -> Vec<f32> {
         self.product(x, n, isa, false)
     }
@@ -189,6 +241,10 @@ impl BlockMatrix {
         let rb = self.row_bytes();
         let mut y = vec![0f32; n * self.rows];
         if n == 0 {
+            return y;
+        }
+        if self.format == Format::Q4_1 {
+            self.interleaved_product(isa, &refs, &mut y);
             return y;
         }
         // Several rows: panels (16 rows of Q4_1 or Q8_0 on AVX-512 VNNI, else 6), each
@@ -229,6 +285,32 @@ impl BlockMatrix {
         y
     }
 
+    /// The product of interleaved Q4_1 weights with `xs` into `y` `(xs.len(), rows)`: each
+    /// task takes whole groups of sixteen weight rows.
+    fn interleaved_product(&self, isa: Supported, xs: &[&Activations], y: &mut [f32]) {
+        let (n, nb) = (xs.len(), self.cols / QK);
+        let groups_per_task = ROWS_PER_TASK / GROUP;
+        let groups = self.rows.div_ceil(GROUP);
+        let out = Columns(y.as_mut_ptr());
+        (0..groups.div_ceil(groups_per_task))
+            .into_par_iter()
+            .for_each(|t| {
+                let mut o = vec![[0f32; GROUP]; n];
+                for g in t * groups_per_task..((t + 1) * groups_per_task).min(groups) {
+                    interleaved::group_product(isa, &self.blocks, nb, g, xs, &mut o);
+                    let real = GROUP.min(self.rows - g * GROUP);
+                    for (i, lanes) in o.iter().enumerate() {
+                        for (l, v) in lanes[..real].iter().enumerate() {
+                            // SAFETY: `i < n` and `g * GROUP + l < rows`, so the element
+                            // lies inside `y` (`n * rows` long, alive until every task is
+                            // done), and the group's columns are written by this task alone.
+                            unsafe { out.at(i * self.rows + g * GROUP + l).write(*v) };
+                        }
+                    }
+                }
+            });
+    }
+
     /// Weight rows per dequantized tile: at most [`TILE_BYTES`] of f32, and a count of
     /// tiles that is a multiple of [`PARTITION_THREADS`] (at least two each), so that
     /// both cores of a two-thread machine finish together; a multiple of 8 rows. Not the
@@ -255,7 +337,7 @@ impl BlockMatrix {
         thread_local! {
             static TILE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
         }
-        let (cols, rb, tr) = (self.cols, self.row_bytes(), self.tile_rows());
+        let (cols, tr) = (self.cols, self.tile_rows());
         let tiles: Vec<(usize, Vec<f32>)> = (0..self.rows.div_ceil(tr))
             .into_par_iter()
             .map(|t| {
@@ -264,8 +346,7 @@ impl BlockMatrix {
                 let mut dst = vec![0f32; n * m];
                 TILE.with_borrow_mut(|buf| {
                     buf.resize(m * cols, 0.0);
-                    self.format
-                        .dequantize(&self.blocks[r0 * rb..r1 * rb], &mut buf[..m * cols]);
+                    self.dequantize_rows(r0, r1, &mut buf[..m * cols]);
                     // SAFETY: `dst` is `(n, m)` with row stride `m`, `x` is `(n, cols)` with
                     // row stride `cols` (checked above), and the tile `(m, cols)` row-major
                     // is read as the `(cols, m)` right operand: element (k, j) at
@@ -601,10 +682,8 @@ mod tests {
         let want = candle_values(&q);
         let raw = q.data().unwrap().into_owned();
         let m = BlockMatrix::from_q4_k(&raw, rows, cols).unwrap();
-        assert_eq!(
-            (m.format(), m.bytes()),
-            (Format::Q4_1, rows * cols / QK * 20)
-        );
+        // Held in one group of sixteen rows, the last eleven padding.
+        assert_eq!((m.format(), m.bytes()), (Format::Q4_1, 16 * cols / QK * 20));
         let got = m.dequantize();
         for (b, (g, w)) in got.chunks(QK).zip(want.chunks(QK)).enumerate() {
             let amax = w.iter().fold(0f32, |a, v| a.max(v.abs()));
@@ -627,8 +706,13 @@ mod tests {
         let a = random_blocks(Format::Q4_1, 2, 32, 1);
         let b = random_blocks(Format::Q8_0, 2, 32, 1);
         assert!(BlockMatrix::stack(vec![a.clone(), b.clone()]).is_none());
-        let s = BlockMatrix::stack(vec![a.clone(), a]).unwrap();
-        assert_eq!((s.rows(), s.cols(), s.bytes()), (4, 32, 80));
+        let e = random_blocks(Format::Q4_1, 3, 32, 4);
+        let s = BlockMatrix::stack(vec![a.clone(), e.clone()]).unwrap();
+        // Q4_1 is held in groups of sixteen rows: 5 rows take one group.
+        assert_eq!((s.rows(), s.cols(), s.bytes()), (5, 32, 16 * 20));
+        let mut want = a.dequantize();
+        want.extend(e.dequantize());
+        assert_eq!(s.dequantize(), want);
         // Q5_0 beside Q8_0 stacks as Q8_0, with every value kept.
         let c = random_blocks(Format::Q5_0, 3, 64, 2);
         let d = random_blocks(Format::Q8_0, 2, 64, 5);

@@ -1,27 +1,27 @@
-//! Panels for batches: one weight row against several activation rows in one pass, so
-//! each weight block is unpacked once for all of them and every row costs a few vector
-//! instructions per block (integer dot product, conversion, scale, fused multiply-add)
-//! instead of about a dozen in [`super::dot`]'s kernels, which rebuild each row's scales
-//! from scalars. AVX-512 VNNI takes up to 16 rows of Q4_1 or Q8_0, a pair of blocks per
-//! 512-bit register; AVX-VNNI and AVX2 (the same loop, `vpdpbusd` or `vpmaddubsw` +
-//! `vpmaddwd`) take up to [`PANEL_256`] rows, one block per 256-bit register, as many as
-//! their two accumulators per row leave registers for, and so does Q5_0 on every one of
-//! them (on AVX-512 VNNI with the 256-bit `vpdpbusd`), its codes unpacked to `q - 16`
-//! and multiplied as Q8_0's.
+//! Panels for batches of Q8_0 and Q5_0 rows: one weight row against several activation
+//! rows in one pass, so each weight block is unpacked once for all of them and every row
+//! costs a few vector instructions per block (integer dot product, conversion, scale,
+//! fused multiply-add) instead of about a dozen in [`super::dot`]'s kernels, which
+//! rebuild each row's scales from scalars. AVX-512 VNNI takes up to 16 rows of Q8_0, a
+//! pair of blocks per 512-bit register; AVX-VNNI and AVX2 (the same loop, `vpdpbusd` or
+//! `vpmaddubsw` + `vpmaddwd`) take up to [`PANEL_256`] rows, one block per 256-bit
+//! register, as many as their two accumulators per row leave registers for, and so does
+//! Q5_0 on every one of them (on AVX-512 VNNI with the 256-bit `vpdpbusd`), its codes
+//! unpacked to `q - 16` and multiplied as Q8_0's. (Q4_1 is interleaved and has its own
+//! kernels for any number of rows.)
 //!
 //! The floats are [`super::dot`]'s, lane for lane: every row keeps its own even- and
 //! odd-block accumulators (the two halves of one 512-bit register, or two 256-bit ones)
 //! and sees the same fused multiply-adds in the same order; its scale `d_w * d_x` is the
 //! same product (the activation row's `d_x` is laid out once per panel as a vector and
-//! multiplied by the weight's `d_w`); Q4_1's offset `sum_b m_w * (d_x sum q_x)` is summed
-//! block after block as there, one lane per row. So a row's result does not depend on
-//! the batch it runs in or on which kernel computed it.
+//! multiplied by the weight's `d_w`). So a row's result does not depend on the batch it
+//! runs in or on which kernel computed it.
 
 use super::blocks::{Activations, Format};
 use super::dot::Supported;
 use super::isa::Isa;
 
-/// Most activation rows of one panel (one 512-bit lane each for Q4_1's offsets).
+/// Most activation rows of one panel.
 pub(super) const PANEL: usize = 16;
 
 /// Most activation rows of a 256-bit panel: two accumulators per row, and registers
@@ -35,13 +35,13 @@ pub(super) struct Panel<'a> {
     /// (`pairs` = blocks / 2 rounded up): `d_x` of block `2p` in lanes 0-7 and of block
     /// `2p + 1` in lanes 8-15 (zero past the last block).
     _pair_scales: Vec<[f32; 16]>,
-    /// Block `b`: lane `r` is row `r`'s `d_x * sum(q_x)`, zero past the last row.
-    sums: Vec<[f32; PANEL]>,
     /// Per row, the start of its codes and of its pair scales, as plain pointers: the
     /// kernels' row loops then unroll with their accumulators in registers (indexing
     /// the slices kept them in memory), and nothing is recomputed per weight row.
     codes: [*const i8; PANEL],
     scales: [*const f32; PANEL],
+    /// Blocks per row.
+    blocks: usize,
 }
 
 // SAFETY: the pointers address `rows`' codes and the panel's own `pair_scales`, which
@@ -71,9 +71,6 @@ impl<'a> Panel<'a> {
                 pair_scales.push(std::array::from_fn(|l| if l < 8 { even } else { odd }));
             }
         }
-        let sums = (0..blocks)
-            .map(|b| std::array::from_fn(|r| rows.get(r).map_or(0.0, |row| row.scales[b][1])))
-            .collect();
         let codes = std::array::from_fn(|r| rows.get(r).map_or(std::ptr::null(), |x| x.q.as_ptr()));
         let scales = std::array::from_fn(|r| {
             pair_scales
@@ -83,14 +80,14 @@ impl<'a> Panel<'a> {
         Self {
             rows,
             _pair_scales: pair_scales,
-            sums,
+            blocks,
             codes,
             scales,
         }
     }
 
     fn blocks(&self) -> usize {
-        self.sums.len()
+        self.blocks
     }
 
     /// The first `N` rows' code and pair-scale pointers.
@@ -103,7 +100,7 @@ impl<'a> Panel<'a> {
     }
 }
 
-/// Whether [`weight_row`] runs on `isa`: AVX2, AVX-VNNI and AVX-512 VNNI, every format.
+/// Whether [`weight_row`] runs on `isa`: AVX2, AVX-VNNI and AVX-512 VNNI, Q8_0 and Q5_0.
 pub(super) fn runs(isa: Supported) -> bool {
     isa.isa() != Isa::Portable
 }
@@ -111,7 +108,7 @@ pub(super) fn runs(isa: Supported) -> bool {
 /// Most rows of one panel of `format` on `isa`.
 pub(super) fn rows(isa: Supported, format: Format) -> usize {
     match (isa.isa(), format) {
-        (Isa::Avx512Vnni, Format::Q4_1 | Format::Q8_0) => PANEL,
+        (Isa::Avx512Vnni, Format::Q8_0) => PANEL,
         _ => PANEL_256,
     }
 }
@@ -140,13 +137,10 @@ pub(super) fn weight_row(isa: Supported, format: Format, panel: &Panel, w: &[u8]
                     // AVX-VNNI with AVX2, FMA, F16C: `Isa::supported`), and the lengths
                     // and the row count were checked above.
                     $(
-                        (Isa::Avx512Vnni, $n, Format::Q4_1) => out.copy_from_slice(&unsafe { x86::q4_1::<$n>(panel, w) }),
                         (Isa::Avx512Vnni, $n, Format::Q8_0) => out.copy_from_slice(&unsafe { x86::q8_0::<$n>(panel, w) }),
                     )*
                     $(
-                        (Isa::AvxVnni, $m, Format::Q4_1) => out.copy_from_slice(&unsafe { x86::q4_1_avxvnni::<$m>(panel, w) }),
                         (Isa::AvxVnni, $m, Format::Q8_0) => out.copy_from_slice(&unsafe { x86::q8_0_avxvnni::<$m>(panel, w) }),
-                        (Isa::Avx2, $m, Format::Q4_1) => out.copy_from_slice(&unsafe { x86::q4_1_avx2::<$m>(panel, w) }),
                         (Isa::Avx2, $m, Format::Q8_0) => out.copy_from_slice(&unsafe { x86::q8_0_avx2::<$m>(panel, w) }),
                         (Isa::Avx512Vnni, $m, Format::Q5_0) => out.copy_from_slice(&unsafe { x86::q5_0_vnni::<$m>(panel, w) }),
                         (Isa::AvxVnni, $m, Format::Q5_0) => out.copy_from_slice(&unsafe { x86::q5_0_avxvnni::<$m>(panel, w) }),
@@ -168,67 +162,10 @@ mod x86 {
 
     use super::super::blocks::QK;
     use super::super::dot::x86::{
-        dot_avx2, dot_avxvnni, dot_vnni, halves, hsum, join_ps, q4_1_nibbles as nibbles,
-        q5_0_signed, q8_0_pair,
+        dot_avx2, dot_avxvnni, dot_vnni, halves, hsum, join_ps, q5_0_signed, q8_0_pair,
     };
     use super::super::PREFETCH_BYTES as PREFETCH;
     use super::Panel;
-
-    /// Q4_1 row `w` against the panel's `N` rows.
-    #[target_feature(enable = "avx512vnni,avx512bw,avx512vl,avx512f,avx2,fma,f16c")]
-    pub(super) unsafe fn q4_1<const N: usize>(panel: &Panel, w: &[u8]) -> [f32; N] {
-        // (d, m) of a block as f32 lanes 0 and 1.
-        let dm =
-            |blk: *const u8| _mm_cvtph_ps(_mm_cvtsi32_si128((blk as *const i32).read_unaligned()));
-        let nb = panel.blocks();
-        let pairs = nb / 2;
-        let (qs, dxs) = panel.pointers::<N>();
-        let mut acc = [_mm512_setzero_ps(); N];
-        // Lane r: row r's `sum m_w * d_x * sum(q_x)`, block after block.
-        let mut offsets = _mm512_setzero_ps();
-        for p in 0..pairs {
-            let b = 2 * p;
-            let (b0, b1) = (w.as_ptr().add(b * 20), w.as_ptr().add((b + 1) * 20));
-            _mm_prefetch::<_MM_HINT_T0>(b0.wrapping_add(PREFETCH) as *const i8);
-            let wv = _mm512_inserti64x4(_mm512_castsi256_si512(nibbles(b0)), nibbles(b1), 1);
-            let (dm0, dm1) = (dm(b0), dm(b1));
-            let d = join_ps(_mm256_broadcastss_ps(dm0), _mm256_broadcastss_ps(dm1));
-            for (i, dm) in [(b, dm0), (b + 1, dm1)] {
-                let m = _mm512_broadcastss_ps(_mm_movehdup_ps(dm));
-                let sums = _mm512_loadu_ps(panel.sums[i].as_ptr());
-                offsets = _mm512_add_ps(offsets, _mm512_mul_ps(m, sums));
-            }
-            for r in 0..N {
-                let xv = _mm512_loadu_si512(qs[r].add(b * QK) as *const __m512i);
-                let dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv));
-                let dx = _mm512_loadu_ps(dxs[r].add(16 * p));
-                acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, dx), acc[r]);
-            }
-        }
-        let tail = (nb % 2 == 1).then(|| {
-            let b = nb - 1;
-            let blk = w.as_ptr().add(b * 20);
-            let dm = dm(blk);
-            let m = _mm512_broadcastss_ps(_mm_movehdup_ps(dm));
-            let sums = _mm512_loadu_ps(panel.sums[b].as_ptr());
-            (b, blk, _mm_cvtss_f32(dm), _mm512_mul_ps(m, sums))
-        });
-        if let Some((_, _, _, m_sums)) = tail {
-            offsets = _mm512_add_ps(offsets, m_sums);
-        }
-        let mut lanes = [0f32; 16];
-        _mm512_storeu_ps(lanes.as_mut_ptr(), offsets);
-        std::array::from_fn(|r| {
-            let (mut even, odd) = halves(acc[r]);
-            if let Some((b, blk, d, _)) = tail {
-                let xv = _mm256_loadu_si256(panel.rows[r].q.as_ptr().add(b * QK) as *const __m256i);
-                let dot = _mm256_cvtepi32_ps(dot_vnni(nibbles(blk), xv));
-                let scale = _mm256_set1_ps(d * panel.rows[r].scales[b][0]);
-                even = _mm256_fmadd_ps(dot, scale, even);
-            }
-            hsum(_mm256_add_ps(even, odd)) + lanes[r]
-        })
-    }
 
     /// Q8_0 row `w` against the panel's `N` rows: each weight's sign moved onto the
     /// activation under a mask, as in the one-row kernel.
@@ -326,43 +263,7 @@ mod x86 {
     /// unsigned and signed bytes into each of eight i32 lanes. Blocks go in pairs, so
     /// that the even and odd accumulators are named, not indexed (kept in registers).
     macro_rules! panels_256 {
-        ($q4_1:ident, $q8_0:ident, $q5_0:ident, $features:literal, $dot:ident) => {
-            /// Q4_1 row `w` against the panel's `N` rows (`N` <= [`PANEL_256`]).
-            #[target_feature(enable = $features)]
-            pub(super) unsafe fn $q4_1<const N: usize>(panel: &Panel, w: &[u8]) -> [f32; N] {
-                let nb = panel.blocks();
-                let (qs, dxs) = panel.pointers::<N>();
-                let mut even = [_mm256_setzero_ps(); N];
-                let mut odd = [_mm256_setzero_ps(); N];
-                // Lane r: row r's `sum m_w * d_x * sum(q_x)`, block after block.
-                let mut offsets = _mm256_setzero_ps();
-                macro_rules! block {
-                    ($b:expr, $acc:ident) => {{
-                        let b = $b;
-                        let blk = w.as_ptr().add(b * 20);
-                        _mm_prefetch::<_MM_HINT_T0>(blk.wrapping_add(PREFETCH) as *const i8);
-                        let wv = nibbles(blk);
-                        let dm =
-                            _mm_cvtph_ps(_mm_cvtsi32_si128((blk as *const i32).read_unaligned()));
-                        let d = _mm256_broadcastss_ps(dm);
-                        let m = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
-                        let sums = _mm256_loadu_ps(panel.sums[b].as_ptr());
-                        offsets = _mm256_add_ps(offsets, _mm256_mul_ps(m, sums));
-                        let half = 16 * (b / 2) + 8 * (b % 2);
-                        for r in 0..N {
-                            let xv = _mm256_loadu_si256(qs[r].add(b * QK) as *const __m256i);
-                            let dot = _mm256_cvtepi32_ps($dot(wv, xv));
-                            let dx = _mm256_loadu_ps(dxs[r].add(half));
-                            $acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, dx), $acc[r]);
-                        }
-                    }};
-                }
-                in_pairs!(nb, block, even, odd);
-                let mut lanes = [0f32; 8];
-                _mm256_storeu_ps(lanes.as_mut_ptr(), offsets);
-                std::array::from_fn(|r| hsum(_mm256_add_ps(even[r], odd[r])) + lanes[r])
-            }
-
+        ($q8_0:ident, $q5_0:ident, $features:literal, $dot:ident) => {
             /// Q8_0 row `w` against the panel's `N` rows (`N` <= [`PANEL_256`]): each
             /// weight's sign moved onto the activation, as in the one-row kernel.
             #[target_feature(enable = $features)]
@@ -381,9 +282,8 @@ mod x86 {
         };
     }
 
-    panels_256!(q4_1_avx2, q8_0_avx2, q5_0_avx2, "avx2,fma,f16c", dot_avx2);
+    panels_256!(q8_0_avx2, q5_0_avx2, "avx2,fma,f16c", dot_avx2);
     panels_256!(
-        q4_1_avxvnni,
         q8_0_avxvnni,
         q5_0_avxvnni,
         "avxvnni,avx2,fma,f16c",
