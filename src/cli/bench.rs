@@ -555,9 +555,9 @@ fn kernels(args: &BenchArgs) -> anyhow::Result<()> {
         "One pass over the {} decode matrices of the model ({:.1} MiB of blocks), \
          median of 7, in this process; the speed-up is over the portable loop at the same \
          rows in the same run. `<set> groups`: the same instruction set without the panel \
-         kernels (each Q8_0 or Q5_0 weight row against groups of four activation rows; \
-         the same floats; Q4_1, interleaved, runs its one kernel in both), measured right \
-         after the panels at the same rows.\n\n\
+         kernels (each Q5_0 weight row against groups of four activation rows; the same \
+         floats; Q4_1 and Q8_0, interleaved, run their one kernel in both), measured \
+         right after the panels at the same rows.\n\n\
          | path | activation rows | ms per pass | us per row per pass | weight GB/s | \
          speed-up over portable |\n| --- | ---: | ---: | ---: | ---: | ---: |\n",
         matrices.len(),

@@ -200,6 +200,9 @@ pub struct Activations {
     pub(super) q: Vec<i8>,
     /// Per block: `d_x` and `d_x * sum(q_x)` (the factor of Q4_1's `m`).
     pub(super) scales: Vec<[f32; 2]>,
+    /// Per block: `128 * sum(q_x)`, what Q8_0's interleaved codes (stored as `q_w + 128`)
+    /// add to a block's integer sum.
+    pub(super) excess: Vec<i32>,
 }
 
 impl Activations {
@@ -207,6 +210,7 @@ impl Activations {
     pub fn quantize(x: &[f32]) -> Self {
         let mut q = vec![0i8; x.len()];
         let mut scales = Vec::with_capacity(x.len() / QK);
+        let mut excess = Vec::with_capacity(x.len() / QK);
         for (xb, qb) in x.chunks_exact(QK).zip(q.chunks_exact_mut(QK)) {
             let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
             let d = amax / 127.0;
@@ -217,8 +221,9 @@ impl Activations {
                 sum += *o as i32;
             }
             scales.push([d, d * sum as f32]);
+            excess.push(128 * sum);
         }
-        Self { q, scales }
+        Self { q, scales, excess }
     }
 
     /// Number of blocks.
@@ -351,6 +356,7 @@ mod tests {
         assert_eq!(a.q[31], 127);
         let sum: i32 = a.q.iter().map(|&v| v as i32).sum();
         assert_eq!(a.scales[0], [23.0 / 127.0, 23.0 / 127.0 * sum as f32]);
+        assert_eq!(a.excess[0], 128 * sum);
         assert!(Activations::quantize(&[0.0; 32]).q.iter().all(|&v| v == 0));
     }
 }

@@ -1,6 +1,6 @@
-//! Block dot products of one Q8_0 or Q5_0 weight row against `R` activation rows (1-4):
-//! the inner loop of those formats' [`BlockMatrix`](super::BlockMatrix) products, one
-//! implementation per instruction set (Q4_1 has its own, `interleaved`).
+//! Block dot products of one Q5_0 weight row against `R` activation rows (1-4): the inner
+//! loop of that format's [`BlockMatrix`](super::BlockMatrix) products, one implementation
+//! per instruction set (Q4_1 and Q8_0, held interleaved, have their own: `interleaved`).
 //!
 //! All of them compute the same floats. Per block, the integer products are summed in
 //! eight lanes of four adjacent elements (what `vpdpbusd` does, and `vpmaddubsw` followed
@@ -9,17 +9,14 @@
 //! (even and odd blocks, so consecutive blocks do not wait on each other); the two are
 //! added and the lanes summed as `((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))`. The
 //! portable loop follows that order with `f32::mul_add`, so a result does not depend on
-//! the CPU, and a row's result does not depend on the other rows computed with it. The
-//! AVX-512 kernels hold an even and an odd block in the two halves of one 512-bit
-//! register, which are exactly the two accumulators.
+//! the CPU, and a row's result does not depend on the other rows computed with it.
 //!
-//! The x86 kernels multiply unsigned by signed bytes: for Q8_0 each block is fed `|q_w|`
-//! and the activation with `q_w`'s sign moved onto it (same products), and Q5_0's codes are first unpacked to the signed bytes `q - 16`
-//! and then treated as Q8_0's. Every value stays in `[-127, 127]`, so `vpmaddubsw`'s
-//! 16-bit pair sums (at most `2 * 127 * 127`) cannot saturate.
-//!
-//! Q5_0 runs one block per 256-bit register on every instruction set, AVX-512 VNNI
-//! included (its 256-bit `vpdpbusd`): its blocks are not paired as Q8_0's are.
+//! The x86 kernels multiply unsigned by signed bytes: Q5_0's codes are unpacked to the
+//! signed bytes `q - 16`, and each block is fed `|q_w|` and the activation with `q_w`'s
+//! sign moved onto it (same products). Every value stays in `[-127, 127]`, so
+//! `vpmaddubsw`'s 16-bit pair sums (at most `2 * 127 * 127`) cannot saturate. One block
+//! per 256-bit register on every instruction set, AVX-512 VNNI included (its 256-bit
+//! `vpdpbusd`).
 
 use half::f16;
 
@@ -44,8 +41,8 @@ impl Supported {
 
 /// `out[r] = sum over blocks of row `w` (`format`) times `x[r]`.
 ///
-/// Panics if `format` is Q4_1 (interleaved, not row after row) or `w` is not
-/// `x[r].blocks()` blocks of `format` for every `r` (callers check shapes once per
+/// Panics if `format` is not Q5_0 (the others are interleaved, not row after row) or `w`
+/// is not `x[r].blocks()` blocks of `format` for every `r` (callers check shapes once per
 /// matrix).
 pub(super) fn weight_row<const R: usize>(
     isa: Supported,
@@ -54,8 +51,8 @@ pub(super) fn weight_row<const R: usize>(
     w: &[u8],
 ) -> [f32; R] {
     assert!(
-        format != Format::Q4_1,
-        "Q4_1 rows are interleaved: see `interleaved`"
+        format == Format::Q5_0,
+        "{format:?} rows are interleaved: see `interleaved`"
     );
     for xr in &x {
         assert!(
@@ -64,48 +61,32 @@ pub(super) fn weight_row<const R: usize>(
         );
     }
     match (isa.0, format) {
-        (Isa::Portable, _) => std::array::from_fn(|r| portable(format, x[r], w)),
-        (_, Format::Q4_1) => unreachable!("checked above"),
-        // SAFETY (all seven): `Supported` checked that the CPU has the features the
+        (Isa::Portable, _) => std::array::from_fn(|r| portable(x[r], w)),
+        (_, Format::Q4_1 | Format::Q8_0) => unreachable!("checked above"),
+        // SAFETY (all three): `Supported` checked that the CPU has the features the
         // function enables (every `Isa` past `Portable` includes AVX2, FMA and F16C), and
         // the lengths were checked above.
-        #[cfg(target_arch = "x86_64")]
-        (Isa::Avx2, Format::Q8_0) => unsafe { x86::q8_0_avx2(x, w) },
         #[cfg(target_arch = "x86_64")]
         (Isa::Avx2, Format::Q5_0) => unsafe { x86::q5_0_avx2(x, w) },
         #[cfg(target_arch = "x86_64")]
         (Isa::AvxVnni, Format::Q5_0) => unsafe { x86::q5_0_avxvnni(x, w) },
         #[cfg(target_arch = "x86_64")]
         (Isa::Avx512Vnni, Format::Q5_0) => unsafe { x86::q5_0_vnni(x, w) },
-        #[cfg(target_arch = "x86_64")]
-        (Isa::AvxVnni, Format::Q8_0) => unsafe { x86::q8_0_avxvnni(x, w) },
-        #[cfg(target_arch = "x86_64")]
-        (Isa::Avx512Vnni, Format::Q8_0) => unsafe { x86::q8_0_vnni(x, w) },
         #[cfg(not(target_arch = "x86_64"))]
-        _ => std::array::from_fn(|r| portable(format, x[r], w)),
+        _ => std::array::from_fn(|r| portable(x[r], w)),
     }
 }
 
-/// The portable loop, in the lane order of the x86 kernels.
-fn portable(format: Format, x: &Activations, w: &[u8]) -> f32 {
+/// The portable loop over Q5_0 blocks, in the lane order of the x86 kernels.
+fn portable(x: &Activations, w: &[u8]) -> f32 {
     let mut acc = [[0f32; 8]; 2];
     let mut q = [0i32; QK];
-    for (b, blk) in w.chunks_exact(format.block_bytes()).enumerate() {
+    for (b, blk) in w.chunks_exact(Format::Q5_0.block_bytes()).enumerate() {
         let xq = &x.q[b * QK..(b + 1) * QK];
         let dx = x.scales[b][0];
         let d = f16::from_le_bytes([blk[0], blk[1]]).to_f32();
-        match format {
-            Format::Q4_1 => unreachable!("checked by `weight_row`"),
-            Format::Q5_0 => {
-                for (o, c) in q.iter_mut().zip(q5_0_codes(blk)) {
-                    *o = c as i32;
-                }
-            }
-            Format::Q8_0 => {
-                for (o, &byte) in q.iter_mut().zip(&blk[2..2 + QK]) {
-                    *o = byte as i8 as i32;
-                }
-            }
+        for (o, c) in q.iter_mut().zip(q5_0_codes(blk)) {
+            *o = c as i32;
         }
         let scale = d * dx;
         for (lane, a) in acc[b % 2].iter_mut().enumerate() {
@@ -156,7 +137,7 @@ pub(super) mod x86 {
         _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)))
     }
 
-    /// One instruction set's kernel over blocks of signed codes (Q8_0, Q5_0): `$dot` sums
+    /// One instruction set's kernel over blocks of signed codes: `$dot` sums
     /// four adjacent products of unsigned and signed bytes into each of eight i32 lanes.
     macro_rules! signed {
         ($signed:ident, $features:literal, $dot:ident) => {
@@ -193,21 +174,7 @@ pub(super) mod x86 {
         };
     }
 
-    /// The Q8_0 kernel of one instruction set, given its integer dot product, and the
-    /// signed-code kernel under it.
-    macro_rules! kernels {
-        ($q8_0:ident, $signed:ident, $features:literal, $dot:ident) => {
-            signed!($signed, $features, $dot);
-
-            /// Q8_0 row `w` against `R` activation rows.
-            #[target_feature(enable = $features)]
-            pub(super) unsafe fn $q8_0<const R: usize>(x: [&Activations; R], w: &[u8]) -> [f32; R] {
-                $signed::<R, 34>(x, w, |blk| _mm256_loadu_si256(blk.add(2) as *const __m256i))
-            }
-        };
-    }
-
-    kernels!(q8_0_avx2, signed_avx2, "avx2,fma,f16c", dot_avx2);
+    signed!(signed_avx2, "avx2,fma,f16c", dot_avx2);
 
     /// Byte `i` is all ones where bit `i` of `bits` is set, else zero.
     #[inline]
@@ -251,12 +218,7 @@ pub(super) mod x86 {
     pub(super) unsafe fn q5_0_avx2<const R: usize>(x: [&Activations; R], w: &[u8]) -> [f32; R] {
         signed_avx2::<R, 22>(x, w, |blk| q5_0_signed(blk))
     }
-    kernels!(
-        q8_0_avxvnni,
-        signed_avxvnni,
-        "avxvnni,avx2,fma,f16c",
-        dot_avxvnni
-    );
+    signed!(signed_avxvnni, "avxvnni,avx2,fma,f16c", dot_avxvnni);
 
     /// Q5_0 row `w` against `R` activation rows on AVX-VNNI.
     #[target_feature(enable = "avxvnni,avx2,fma,f16c")]
@@ -275,93 +237,5 @@ pub(super) mod x86 {
     #[target_feature(enable = "avx512vnni,avx512vl,avx2,fma,f16c")]
     pub(super) unsafe fn q5_0_vnni<const R: usize>(x: [&Activations; R], w: &[u8]) -> [f32; R] {
         signed_vnni256::<R, 22>(x, w, |blk| q5_0_signed(blk))
-    }
-    /// A 512-bit register from two 256-bit halves: `lo` in lanes 0-7, `hi` in 8-15.
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    pub(in crate::model::numerics::kernels) fn join_ps(lo: __m256, hi: __m256) -> __m512 {
-        _mm512_castpd_ps(_mm512_insertf64x4(
-            _mm512_castpd256_pd512(_mm256_castps_pd(lo)),
-            _mm256_castps_pd(hi),
-            1,
-        ))
-    }
-
-    /// The halves of a 512-bit register, `(lanes 0-7, lanes 8-15)`.
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    pub(in crate::model::numerics::kernels) fn halves(v: __m512) -> (__m256, __m256) {
-        let d = _mm512_castps_pd(v);
-        (
-            _mm256_castpd_ps(_mm512_castpd512_pd256(d)),
-            _mm256_castpd_ps(_mm512_extractf64x4_pd(d, 1)),
-        )
-    }
-
-    /// The codes of the Q8_0 blocks at `b0` and `b1` (low and high half): their absolute
-    /// values, and the mask of the negative ones (AVX-512 has no `vpsignb`: the
-    /// activation is negated under it instead).
-    #[inline]
-    #[target_feature(enable = "avx512bw,avx512f,avx2")]
-    pub(in crate::model::numerics::kernels) unsafe fn q8_0_pair(
-        b0: *const u8,
-        b1: *const u8,
-    ) -> (__m512i, __mmask64) {
-        let codes = |blk: *const u8| _mm256_loadu_si256(blk.add(2) as *const __m256i);
-        let wv = _mm512_inserti64x4(_mm512_castsi256_si512(codes(b0)), codes(b1), 1);
-        (_mm512_abs_epi8(wv), _mm512_movepi8_mask(wv))
-    }
-
-    // AVX-512 VNNI: two blocks per 512-bit register, block `2p` in the low half and
-    // `2p + 1` in the high half, so the low half of the accumulator is the even-block
-    // accumulator of the 256-bit kernels and the high half the odd one: every lane sees
-    // the same fused multiply-adds in the same order. An odd last block goes to the low
-    // half alone.
-
-    /// Q8_0 row `w` against `R` activation rows, two blocks per step. AVX-512 has no
-    /// `vpsignb`: the activation is negated where the weight is negative, under a mask.
-    #[target_feature(enable = "avx512vnni,avx512bw,avx512vl,avx512f,avx2,fma,f16c")]
-    pub(super) unsafe fn q8_0_vnni<const R: usize>(x: [&Activations; R], w: &[u8]) -> [f32; R] {
-        let d = |blk: *const u8| {
-            let bits = (blk as *const u16).read_unaligned() as i32;
-            _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits)))
-        };
-        let codes = |blk: *const u8| _mm256_loadu_si256(blk.add(2) as *const __m256i);
-        let mut acc = [_mm512_setzero_ps(); R];
-        let nb = x[0].blocks();
-        for p in 0..nb / 2 {
-            let b = 2 * p;
-            let (b0, b1) = (w.as_ptr().add(b * 34), w.as_ptr().add((b + 1) * 34));
-            _mm_prefetch::<_MM_HINT_T0>(b0.wrapping_add(PREFETCH) as *const i8);
-            let (wabs, negative) = q8_0_pair(b0, b1);
-            let (d0, d1) = (d(b0), d(b1));
-            for r in 0..R {
-                let xv = _mm512_loadu_si512(x[r].q.as_ptr().add(b * QK) as *const __m512i);
-                let signed = _mm512_mask_sub_epi8(xv, negative, _mm512_setzero_si512(), xv);
-                let dot =
-                    _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wabs, signed));
-                let scale = join_ps(
-                    _mm256_set1_ps(d0 * x[r].scales[b][0]),
-                    _mm256_set1_ps(d1 * x[r].scales[b + 1][0]),
-                );
-                acc[r] = _mm512_fmadd_ps(dot, scale, acc[r]);
-            }
-        }
-        let mut out = [0f32; R];
-        for r in 0..R {
-            let (mut even, odd) = halves(acc[r]);
-            if nb % 2 == 1 {
-                let b = nb - 1;
-                let blk = w.as_ptr().add(b * 34);
-                let wv = codes(blk);
-                let xv = _mm256_loadu_si256(x[r].q.as_ptr().add(b * QK) as *const __m256i);
-                let dot =
-                    _mm256_cvtepi32_ps(dot_vnni(_mm256_abs_epi8(wv), _mm256_sign_epi8(xv, wv)));
-                let scale = _mm256_set1_ps(d(blk) * x[r].scales[b][0]);
-                even = _mm256_fmadd_ps(dot, scale, even);
-            }
-            out[r] = hsum(_mm256_add_ps(even, odd));
-        }
-        out
     }
 }

@@ -1,42 +1,36 @@
-//! Q4_1 weights interleaved [`GROUP`] rows to a group, so that one 32-bit lane of a
-//! vector holds one weight row: the kernels broadcast four activation bytes to every
+//! Q4_1 and Q8_0 weights interleaved [`GROUP`] rows to a group, so that one 32-bit lane
+//! of a vector holds one weight row: the kernels broadcast four activation bytes to every
 //! lane, complete each row's integer sum over a block, and then spend one conversion and
-//! two fused multiply-adds on it. One row, a decode step, and a batch of activation rows
-//! run the same kernel; the weights of a group are unpacked once per block for all the
-//! activation rows of a pass.
+//! one or two fused multiply-adds on it. One row, a decode step, and a batch of activation
+//! rows run the same kernel; the weights of a group are unpacked once per block for all
+//! the activation rows of a pass.
 //!
 //! **Layout.** Rows are padded with zero blocks to a multiple of [`GROUP`]. Group `g`'s
-//! block `b` takes [`CHUNK`] bytes at `(g * blocks + b) * CHUNK`: the sixteen rows' `d`
-//! (f16), their `m` (f16), then four runs of 64 code bytes. Run `k` holds, in bytes
-//! `4l..4l + 4`, row `l`'s code bytes `4k..4k + 4`: their low nibbles are the elements
-//! `4k..4k + 4` of the block, their high nibbles the elements `16 + 4k..16 + 4k + 4`. The
-//! same bytes as the file's blocks, reordered.
+//! block `b` takes `GROUP * block_bytes` bytes at `(g * blocks + b) * that`: the sixteen
+//! rows' `d` (f16), for Q4_1 their `m` (f16), then runs of 64 code bytes, run `k` holding
+//! in bytes `4l..4l + 4` row `l`'s code bytes `4k..4k + 4`. Q4_1 has four runs: the low
+//! nibbles of run `k` are the block's elements `4k..4k + 4`, the high nibbles the elements
+//! `16 + 4k..16 + 4k + 4`. Q8_0 has eight, each code stored plus 128 (`q ^ 0x80`), so that
+//! it is the unsigned operand of `vpdpbusd`; `128 * sum(q_x)` is subtracted from the
+//! block's sum afterwards (AVX2 restores the sign instead: `vpmaddubsw` would saturate on
+//! unsigned codes up to 255). The same bytes as the file's blocks, reordered.
 //!
 //! **The floats.** Row `r` against activation row `x`, from `acc = 0`, block after
-//! block: `acc = fma(d_r * d_x, float(sum_j q_rj q_xj), acc)`, then
-//! `acc = fma(m_r, d_x * sum_j q_xj, acc)`. The integer sum is exact in any order
-//! (`|sum| <= 32 * 15 * 128 < 2^24`, so its conversion is exact too). AVX-512 VNNI (sixteen
-//! rows per register), AVX-VNNI and AVX2 (eight) and the portable loop all compute
+//! block, with `s = sum_j q_rj q_xj` (exact in any order: at most `32 * 128 * 127 < 2^24`,
+//! so its conversion is exact too): Q4_1 `acc = fma(d_r * d_x, float(s), acc)`, then
+//! `acc = fma(m_r, d_x * sum_j q_xj, acc)`; Q8_0 the first of the two. AVX-512 VNNI
+//! (sixteen rows per register), AVX-VNNI and AVX2 (eight) and the portable loop all compute
 //! exactly that, so a result depends neither on the instruction set nor on the other
 //! activation rows computed with it.
 
 use half::f16;
 
-use super::blocks::{Activations, QK};
+use super::blocks::{Activations, Format, QK};
 use super::dot::Supported;
 use super::isa::Isa;
 
 /// Weight rows per group: one per 32-bit lane of a 512-bit register.
 pub(super) const GROUP: usize = 16;
-
-/// Bytes of one Q4_1 block in the file: f16 `d`, f16 `m`, 16 bytes of nibbles.
-const BLOCK: usize = 20;
-
-/// Bytes of one block of a group: [`GROUP`] file blocks.
-const CHUNK: usize = GROUP * BLOCK;
-
-/// Offset of the first run of codes in a chunk (after the sixteen `d` and `m`).
-const CODES: usize = 4 * GROUP;
 
 /// Activation rows per pass over a group on AVX-512 (their accumulators and integer sums
 /// stay in the 32 registers).
@@ -45,64 +39,108 @@ const PASS_512: usize = 8;
 /// The same on AVX2 and AVX-VNNI (16 registers).
 const PASS_256: usize = 4;
 
-/// Row-major Q4_1 `blocks` of a `(rows, cols)` matrix, interleaved.
+/// The formats held interleaved.
+pub(super) fn holds(format: Format) -> bool {
+    matches!(format, Format::Q4_1 | Format::Q8_0)
+}
+
+/// Bytes of one block of a group: [`GROUP`] file blocks.
+fn chunk_bytes(format: Format) -> usize {
+    GROUP * format.block_bytes()
+}
+
+/// Where a chunk's runs of codes begin (after the scales), and how many runs it has.
+fn runs(format: Format) -> (usize, usize) {
+    match format {
+        Format::Q4_1 => (4 * GROUP, 4),
+        Format::Q8_0 => (2 * GROUP, 8),
+        Format::Q5_0 => unreachable!("Q5_0 is not interleaved"),
+    }
+}
+
+/// Where a file block's code bytes begin, and what a stored code byte is XORed with.
+fn file_codes(format: Format) -> (usize, u8) {
+    match format {
+        Format::Q4_1 => (4, 0),
+        Format::Q8_0 => (2, 0x80),
+        Format::Q5_0 => unreachable!("Q5_0 is not interleaved"),
+    }
+}
+
+/// Row-major `blocks` of `format` (Q4_1 or Q8_0) of a `(rows, cols)` matrix, interleaved.
 ///
-/// Panics if `blocks` is not `rows * cols / QK` blocks.
-pub(super) fn interleave(blocks: &[u8], rows: usize, cols: usize) -> Vec<u8> {
-    let nb = cols / QK;
-    assert_eq!(
-        blocks.len(),
-        rows * nb * BLOCK,
-        "Q4_1 blocks do not fit the shape"
-    );
-    let mut out = vec![0u8; rows.div_ceil(GROUP) * nb * CHUNK];
-    for (r, row) in blocks.chunks_exact(nb * BLOCK).enumerate() {
-        for (b, src) in row.chunks_exact(BLOCK).enumerate() {
+/// Panics if `blocks` is not `rows * cols / QK` blocks or `format` is not held
+/// interleaved.
+pub(super) fn interleave(format: Format, blocks: &[u8], rows: usize, cols: usize) -> Vec<u8> {
+    assert!(holds(format), "{format:?} is not interleaved");
+    let (nb, bb, cb) = (cols / QK, format.block_bytes(), chunk_bytes(format));
+    assert_eq!(blocks.len(), rows * nb * bb, "blocks do not fit the shape");
+    let ((codes, n_runs), (src_codes, flip)) = (runs(format), file_codes(format));
+    let scales = src_codes / 2;
+    let mut out = vec![0u8; rows.div_ceil(GROUP) * nb * cb];
+    for (r, row) in blocks.chunks_exact(nb * bb).enumerate() {
+        for (b, src) in row.chunks_exact(bb).enumerate() {
             let (g, l) = (r / GROUP, r % GROUP);
-            let chunk = &mut out[(g * nb + b) * CHUNK..][..CHUNK];
-            chunk[2 * l..2 * l + 2].copy_from_slice(&src[0..2]);
-            chunk[2 * GROUP + 2 * l..][..2].copy_from_slice(&src[2..4]);
-            for k in 0..4 {
-                chunk[CODES + 64 * k + 4 * l..][..4].copy_from_slice(&src[4 + 4 * k..][..4]);
+            let chunk = &mut out[(g * nb + b) * cb..][..cb];
+            for s in 0..scales {
+                chunk[2 * GROUP * s + 2 * l..][..2].copy_from_slice(&src[2 * s..2 * s + 2]);
+            }
+            for k in 0..n_runs {
+                for j in 0..4 {
+                    chunk[codes + 64 * k + 4 * l + j] = src[src_codes + 4 * k + j] ^ flip;
+                }
             }
         }
     }
     out
 }
 
-/// Block `b` of row `r` in the file's layout, from interleaved `data` with `nb` blocks per
-/// row.
-pub(super) fn file_block(data: &[u8], nb: usize, r: usize, b: usize) -> [u8; BLOCK] {
+/// Block `b` of row `r` in the file's layout, from interleaved `data` of `format` with
+/// `nb` blocks per row, into `out` (`format.block_bytes()` bytes).
+pub(super) fn file_block(
+    format: Format,
+    data: &[u8],
+    nb: usize,
+    r: usize,
+    b: usize,
+    out: &mut [u8],
+) {
+    let cb = chunk_bytes(format);
+    let ((codes, n_runs), (dst_codes, flip)) = (runs(format), file_codes(format));
     let (g, l) = (r / GROUP, r % GROUP);
-    let chunk = &data[(g * nb + b) * CHUNK..][..CHUNK];
-    let mut blk = [0u8; BLOCK];
-    blk[0..2].copy_from_slice(&chunk[2 * l..2 * l + 2]);
-    blk[2..4].copy_from_slice(&chunk[2 * GROUP + 2 * l..][..2]);
-    for k in 0..4 {
-        blk[4 + 4 * k..][..4].copy_from_slice(&chunk[CODES + 64 * k + 4 * l..][..4]);
+    let chunk = &data[(g * nb + b) * cb..][..cb];
+    for s in 0..dst_codes / 2 {
+        out[2 * s..2 * s + 2].copy_from_slice(&chunk[2 * GROUP * s + 2 * l..][..2]);
     }
-    blk
+    for k in 0..n_runs {
+        for j in 0..4 {
+            out[dst_codes + 4 * k + j] = chunk[codes + 64 * k + 4 * l + j] ^ flip;
+        }
+    }
 }
 
-/// `out[i][l]` = weight row `group * GROUP + l` of interleaved `data` (`nb` blocks per
-/// row) times `xs[i]`; padding rows give 0.
+/// `out[i][l]` = weight row `group * GROUP + l` of interleaved `data` (`format`, `nb`
+/// blocks per row) times `xs[i]`; padding rows give 0.
 ///
-/// Panics if `out` and `xs` differ in length, an activation row is not `nb` blocks, or
-/// `data` has no group `group`.
+/// Panics if `format` is not held interleaved, `out` and `xs` differ in length, an
+/// activation row is not `nb` blocks, or `data` has no group `group`.
 pub(super) fn group_product(
     isa: Supported,
+    format: Format,
     data: &[u8],
     nb: usize,
     group: usize,
     xs: &[&Activations],
     out: &mut [[f32; GROUP]],
 ) {
+    assert!(holds(format), "{format:?} is not interleaved");
     assert_eq!(out.len(), xs.len(), "one result per activation row");
     assert!(
         xs.iter().all(|x| x.blocks() == nb && x.q.len() == nb * QK),
         "activation rows and weight rows differ in length"
     );
-    let w = &data[group * nb * CHUNK..][..nb * CHUNK];
+    let cb = chunk_bytes(format);
+    let w = &data[group * nb * cb..][..nb * cb];
     #[cfg(target_arch = "x86_64")]
     {
         let pass = match isa.isa() {
@@ -113,23 +151,43 @@ pub(super) fn group_product(
         for (xs, out) in xs.chunks(pass).zip(out.chunks_mut(pass)) {
             macro_rules! dispatch {
                 ($($n:literal)*) => {
-                    match (isa.isa(), xs.len()) {
-                        (Isa::Portable, _) => out[0] = portable(w, nb, xs[0]),
+                    match (isa.isa(), format, xs.len()) {
+                        (Isa::Portable, _, _) => out[0] = portable(format, w, nb, xs[0]),
                         // SAFETY (all): `Supported` checked that the CPU has the features
                         // each function enables (every `Isa` past `Portable` includes AVX2,
                         // FMA and F16C), and the lengths were checked above.
                         $(
-                            (Isa::Avx512Vnni, $n) => out.copy_from_slice(&unsafe {
-                                x86::vnni_512::<$n>(w.as_ptr(), nb, std::array::from_fn(|i| xs[i]))
+                            (Isa::Avx512Vnni, Format::Q4_1, $n) => out.copy_from_slice(&unsafe {
+                                x86::q4_1_512::<$n>(w.as_ptr(), nb, std::array::from_fn(|i| xs[i]))
                             }),
-                            (Isa::AvxVnni, $n) => out.copy_from_slice(&unsafe {
-                                x86::avxvnni::<$n>(w.as_ptr(), nb, std::array::from_fn(|i| xs[i]))
-                            }),
-                            (Isa::Avx2, $n) => out.copy_from_slice(&unsafe {
-                                x86::avx2::<$n>(w.as_ptr(), nb, std::array::from_fn(|i| xs[i]))
+                            (Isa::Avx512Vnni, Format::Q8_0, $n) => out.copy_from_slice(&unsafe {
+                                x86::q8_0_512::<$n>(w.as_ptr(), nb, std::array::from_fn(|i| xs[i]))
                             }),
                         )*
-                        _ => unreachable!("passes hold 1 to {PASS_512} rows"),
+                        (Isa::AvxVnni, Format::Q4_1, n) => pass_256!(n, q4_1_avxvnni),
+                        (Isa::AvxVnni, Format::Q8_0, n) => pass_256!(n, q8_0_avxvnni),
+                        (Isa::Avx2, Format::Q4_1, n) => pass_256!(n, q4_1_avx2),
+                        (Isa::Avx2, Format::Q8_0, n) => pass_256!(n, q8_0_avx2),
+                        _ => unreachable!("passes hold 1 to {PASS_512} rows of Q4_1 or Q8_0"),
+                    }
+                };
+            }
+            macro_rules! pass_256 {
+                ($n:expr, $kernel:ident) => {
+                    match $n {
+                        // SAFETY: as above.
+                        1 => out.copy_from_slice(&unsafe {
+                            x86::$kernel::<1>(w.as_ptr(), nb, [xs[0]])
+                        }),
+                        2 => out.copy_from_slice(&unsafe {
+                            x86::$kernel::<2>(w.as_ptr(), nb, [xs[0], xs[1]])
+                        }),
+                        3 => out.copy_from_slice(&unsafe {
+                            x86::$kernel::<3>(w.as_ptr(), nb, [xs[0], xs[1], xs[2]])
+                        }),
+                        _ => out.copy_from_slice(&unsafe {
+                            x86::$kernel::<4>(w.as_ptr(), nb, [xs[0], xs[1], xs[2], xs[3]])
+                        }),
                     }
                 };
             }
@@ -140,30 +198,44 @@ pub(super) fn group_product(
     {
         let _ = isa;
         for (x, o) in xs.iter().zip(out) {
-            *o = portable(w, nb, x);
+            *o = portable(format, w, nb, x);
         }
     }
 }
 
 /// The portable loop: one group's blocks `w` against `x`, in the kernels' order.
-fn portable(w: &[u8], nb: usize, x: &Activations) -> [f32; GROUP] {
+fn portable(format: Format, w: &[u8], nb: usize, x: &Activations) -> [f32; GROUP] {
+    let (codes, _) = runs(format);
     let mut acc = [0f32; GROUP];
-    for (b, chunk) in w.chunks_exact(CHUNK).take(nb).enumerate() {
+    for (b, chunk) in w.chunks_exact(chunk_bytes(format)).take(nb).enumerate() {
         let xq = &x.q[b * QK..(b + 1) * QK];
         let [dx, dx_sum] = x.scales[b];
         for (l, a) in acc.iter_mut().enumerate() {
             let half = |at: usize| f16::from_le_bytes([chunk[at], chunk[at + 1]]).to_f32();
-            let (d, m) = (half(2 * l), half(2 * GROUP + 2 * l));
+            let code = |k: usize, j: usize| chunk[codes + 64 * k + 4 * l + j];
             let mut sum = 0i32;
-            for k in 0..4 {
-                for j in 0..4 {
-                    let byte = chunk[CODES + 64 * k + 4 * l + j];
-                    sum += (byte & 0x0F) as i32 * xq[4 * k + j] as i32
-                        + (byte >> 4) as i32 * xq[16 + 4 * k + j] as i32;
+            match format {
+                Format::Q4_1 => {
+                    for k in 0..4 {
+                        for j in 0..4 {
+                            let byte = code(k, j);
+                            sum += (byte & 0x0F) as i32 * xq[4 * k + j] as i32
+                                + (byte >> 4) as i32 * xq[16 + 4 * k + j] as i32;
+                        }
+                    }
+                }
+                _ => {
+                    for k in 0..8 {
+                        for j in 0..4 {
+                            sum += (code(k, j) ^ 0x80) as i8 as i32 * xq[4 * k + j] as i32;
+                        }
+                    }
                 }
             }
-            *a = (d * dx).mul_add(sum as f32, *a);
-            *a = m.mul_add(dx_sum, *a);
+            *a = (half(2 * l) * dx).mul_add(sum as f32, *a);
+            if format == Format::Q4_1 {
+                *a = half(2 * GROUP + 2 * l).mul_add(dx_sum, *a);
+            }
         }
     }
     acc
@@ -176,7 +248,13 @@ mod x86 {
     use super::super::blocks::{Activations, QK};
     use super::super::dot::x86::dot_avx2;
     use super::super::PREFETCH_BYTES as PREFETCH;
-    use super::{CHUNK, CODES, GROUP};
+    use super::GROUP;
+
+    /// Bytes of a Q4_1 chunk, and where its codes begin.
+    const Q4_1: (usize, usize) = (GROUP * 20, 4 * GROUP);
+
+    /// Bytes of a Q8_0 chunk, and where its codes begin.
+    const Q8_0: (usize, usize) = (GROUP * 34, 2 * GROUP);
 
     /// The activation's four code bytes at `q` in every 32-bit lane (a broadcast load).
     #[inline]
@@ -192,22 +270,31 @@ mod x86 {
         _mm256_broadcastd_epi32(_mm_loadu_si32(q as *const u8))
     }
 
-    /// One group against `R` activation rows, sixteen weight rows per 512-bit register.
+    /// Prefetch the chunk `PREFETCH` bytes ahead of `at`, `bytes` long.
+    #[inline(always)]
+    unsafe fn prefetch(at: *const u8, bytes: usize) {
+        for line in (0..bytes).step_by(256) {
+            _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(PREFETCH + line) as *const i8);
+        }
+    }
+
+    /// One Q4_1 group against `R` activation rows, sixteen weight rows per 512-bit
+    /// register.
     #[target_feature(enable = "avx512vnni,avx512bw,avx512f,avx2,fma,f16c")]
-    pub(super) unsafe fn vnni_512<const R: usize>(
+    pub(super) unsafe fn q4_1_512<const R: usize>(
         w: *const u8,
         nb: usize,
         x: [&Activations; R],
     ) -> [[f32; GROUP]; R] {
+        let (bytes, codes) = Q4_1;
         let low = _mm512_set1_epi8(0x0F);
         let mut acc = [_mm512_setzero_ps(); R];
         for b in 0..nb {
-            let chunk = w.add(b * CHUNK);
-            _mm_prefetch::<_MM_HINT_T0>(chunk.wrapping_add(PREFETCH) as *const i8);
-            _mm_prefetch::<_MM_HINT_T0>(chunk.wrapping_add(PREFETCH + 256) as *const i8);
+            let chunk = w.add(b * bytes);
+            prefetch(chunk, bytes);
             let mut sums = [_mm512_setzero_si512(); R];
             for k in 0..4 {
-                let run = _mm512_loadu_si512(chunk.add(CODES + 64 * k) as *const __m512i);
+                let run = _mm512_loadu_si512(chunk.add(codes + 64 * k) as *const __m512i);
                 let lo = _mm512_and_si512(run, low);
                 let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(run), low);
                 for r in 0..R {
@@ -232,8 +319,43 @@ mod x86 {
         out
     }
 
+    /// One Q8_0 group against `R` activation rows, sixteen weight rows per 512-bit
+    /// register: codes plus 128 times the activation, less `128 * sum(q_x)`.
+    #[target_feature(enable = "avx512vnni,avx512bw,avx512f,avx2,fma,f16c")]
+    pub(super) unsafe fn q8_0_512<const R: usize>(
+        w: *const u8,
+        nb: usize,
+        x: [&Activations; R],
+    ) -> [[f32; GROUP]; R] {
+        let (bytes, codes) = Q8_0;
+        let mut acc = [_mm512_setzero_ps(); R];
+        for b in 0..nb {
+            let chunk = w.add(b * bytes);
+            prefetch(chunk, bytes);
+            let mut sums = [_mm512_setzero_si512(); R];
+            for k in 0..8 {
+                let run = _mm512_loadu_si512(chunk.add(codes + 64 * k) as *const __m512i);
+                for r in 0..R {
+                    let q = x[r].q.as_ptr().add(b * QK);
+                    sums[r] = _mm512_dpbusd_epi32(sums[r], run, four_512(q.add(4 * k)));
+                }
+            }
+            let d = _mm512_cvtph_ps(_mm256_loadu_si256(chunk as *const __m256i));
+            for r in 0..R {
+                let s = _mm512_sub_epi32(sums[r], _mm512_set1_epi32(x[r].excess[b]));
+                let scale = _mm512_mul_ps(d, _mm512_set1_ps(x[r].scales[b][0]));
+                acc[r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(s), acc[r]);
+            }
+        }
+        let mut out = [[0f32; GROUP]; R];
+        for r in 0..R {
+            _mm512_storeu_ps(out[r].as_mut_ptr(), acc[r]);
+        }
+        out
+    }
+
     /// `acc` plus the sums of four adjacent products of unsigned `u` and signed `s` bytes,
-    /// per i32 lane (AVX2: pair sums in i16, which 15 * 128 * 2 cannot saturate).
+    /// per i32 lane (AVX2: pair sums in i16, which `2 * 128 * 127` cannot saturate).
     #[inline]
     #[target_feature(enable = "avx2")]
     fn add_dot_avx2(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
@@ -247,31 +369,49 @@ mod x86 {
         _mm256_dpbusd_avx_epi32(acc, u, s)
     }
 
-    /// One group against `R` activation rows, eight weight rows per 256-bit register (the
-    /// group's two halves in turn), given the instruction set's accumulating dot product.
+    /// AVX2's Q8_0 step: the stored codes (plus 128) back to signed, their absolute values
+    /// times the activation with their signs (no pair sum above `2 * 128 * 127`), so no
+    /// excess to subtract.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn add_q8_0_avx2(acc: __m256i, stored: __m256i, x: __m256i) -> __m256i {
+        let w = _mm256_xor_si256(stored, _mm256_set1_epi8(0x80u8 as i8));
+        add_dot_avx2(acc, _mm256_abs_epi8(w), _mm256_sign_epi8(x, w))
+    }
+
+    /// AVX-VNNI's Q8_0 step: `vpdpbusd` on the stored codes; the excess is subtracted
+    /// after the block.
+    #[inline]
+    #[target_feature(enable = "avxvnni")]
+    fn add_q8_0_avxvnni(acc: __m256i, stored: __m256i, x: __m256i) -> __m256i {
+        add_dot_avxvnni(acc, stored, x)
+    }
+
+    /// The 256-bit kernels of one instruction set, eight weight rows per register (the
+    /// group's two halves in turn): `$q4_1` given the set's accumulating dot product,
+    /// `$q8_0` given its Q8_0 step and whether that step leaves the excess to subtract.
     macro_rules! narrow {
-        ($name:ident, $features:literal, $add_dot:ident) => {
+        ($q4_1:ident, $q8_0:ident, $features:literal, $add_dot:ident, $add_q8_0:ident, $excess:literal) => {
+            /// One Q4_1 group against `R` activation rows.
             #[target_feature(enable = $features)]
-            pub(super) unsafe fn $name<const R: usize>(
+            pub(super) unsafe fn $q4_1<const R: usize>(
                 w: *const u8,
                 nb: usize,
                 x: [&Activations; R],
             ) -> [[f32; GROUP]; R] {
+                let (bytes, codes) = Q4_1;
                 let low = _mm256_set1_epi8(0x0F);
                 let mut out = [[0f32; GROUP]; R];
                 for half in 0..2 {
                     let mut acc = [_mm256_setzero_ps(); R];
                     for b in 0..nb {
-                        let chunk = w.add(b * CHUNK);
+                        let chunk = w.add(b * bytes);
                         if half == 0 {
-                            _mm_prefetch::<_MM_HINT_T0>(chunk.wrapping_add(PREFETCH) as *const i8);
-                            _mm_prefetch::<_MM_HINT_T0>(
-                                chunk.wrapping_add(PREFETCH + 256) as *const i8
-                            );
+                            prefetch(chunk, bytes);
                         }
                         let mut sums = [_mm256_setzero_si256(); R];
                         for k in 0..4 {
-                            let at = chunk.add(CODES + 64 * k + 32 * half);
+                            let at = chunk.add(codes + 64 * k + 32 * half);
                             let run = _mm256_loadu_si256(at as *const __m256i);
                             let lo = _mm256_and_si256(run, low);
                             let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(run), low);
@@ -298,19 +438,78 @@ mod x86 {
                 }
                 out
             }
+
+            /// One Q8_0 group against `R` activation rows.
+            #[target_feature(enable = $features)]
+            pub(super) unsafe fn $q8_0<const R: usize>(
+                w: *const u8,
+                nb: usize,
+                x: [&Activations; R],
+            ) -> [[f32; GROUP]; R] {
+                let (bytes, codes) = Q8_0;
+                let mut out = [[0f32; GROUP]; R];
+                for half in 0..2 {
+                    let mut acc = [_mm256_setzero_ps(); R];
+                    for b in 0..nb {
+                        let chunk = w.add(b * bytes);
+                        if half == 0 {
+                            prefetch(chunk, bytes);
+                        }
+                        let mut sums = [_mm256_setzero_si256(); R];
+                        for k in 0..8 {
+                            let at = chunk.add(codes + 64 * k + 32 * half);
+                            let run = _mm256_loadu_si256(at as *const __m256i);
+                            for r in 0..R {
+                                let q = x[r].q.as_ptr().add(b * QK);
+                                sums[r] = $add_q8_0(sums[r], run, four_256(q.add(4 * k)));
+                            }
+                        }
+                        let d = _mm256_cvtph_ps(_mm_loadu_si128(
+                            chunk.add(16 * half) as *const __m128i
+                        ));
+                        for r in 0..R {
+                            let s = if $excess {
+                                _mm256_sub_epi32(sums[r], _mm256_set1_epi32(x[r].excess[b]))
+                            } else {
+                                sums[r]
+                            };
+                            let scale = _mm256_mul_ps(d, _mm256_set1_ps(x[r].scales[b][0]));
+                            acc[r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(s), acc[r]);
+                        }
+                    }
+                    for r in 0..R {
+                        _mm256_storeu_ps(out[r].as_mut_ptr().add(8 * half), acc[r]);
+                    }
+                }
+                out
+            }
         };
     }
 
-    narrow!(avx2, "avx2,fma,f16c", add_dot_avx2);
-    narrow!(avxvnni, "avxvnni,avx2,fma,f16c", add_dot_avxvnni);
+    narrow!(
+        q4_1_avx2,
+        q8_0_avx2,
+        "avx2,fma,f16c",
+        add_dot_avx2,
+        add_q8_0_avx2,
+        false
+    );
+    narrow!(
+        q4_1_avxvnni,
+        q8_0_avxvnni,
+        "avxvnni,avx2,fma,f16c",
+        add_dot_avxvnni,
+        add_q8_0_avxvnni,
+        true
+    );
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// Random Q4_1 blocks: every nibble, scales of both signs.
-    fn random_blocks(rows: usize, cols: usize, seed: u64) -> Vec<u8> {
+    /// Random blocks of `format`: every code byte, scales of both signs.
+    fn random_blocks(format: Format, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
         let mut s = seed;
         let mut next = move || {
             s = s
@@ -318,69 +517,84 @@ mod tests {
                 .wrapping_add(1442695040888963407);
             (s >> 33) as u32
         };
+        let scales = file_codes(format).0 / 2;
         let mut out = Vec::new();
         for _ in 0..rows * cols / QK {
-            for _ in 0..2 {
+            for _ in 0..scales {
                 let v = (next() % 2001) as f32 / 1000.0 - 1.0;
                 out.extend(f16::from_f32(v).to_le_bytes());
             }
-            out.extend((0..16).map(|_| next() as u8));
+            out.extend((0..format.block_bytes() - 2 * scales).map(|_| next() as u8));
         }
         out
     }
 
     #[test]
     fn interleaving_keeps_every_block_and_pads_with_zeros() {
-        let (rows, cols) = (21, 96);
-        let blocks = random_blocks(rows, cols, 3);
-        let data = interleave(&blocks, rows, cols);
-        assert_eq!(data.len(), 2 * 3 * CHUNK);
-        for r in 0..32 {
-            for b in 0..3 {
-                let want: [u8; BLOCK] = if r < rows {
-                    blocks[(r * 3 + b) * BLOCK..][..BLOCK].try_into().unwrap()
-                } else {
-                    [0; BLOCK]
-                };
-                assert_eq!(file_block(&data, 3, r, b), want, "row {r} block {b}");
+        for format in [Format::Q4_1, Format::Q8_0] {
+            let (rows, cols, bb) = (21, 96, format.block_bytes());
+            let blocks = random_blocks(format, rows, cols, 3);
+            let data = interleave(format, &blocks, rows, cols);
+            assert_eq!(data.len(), 2 * 3 * chunk_bytes(format));
+            let mut got = vec![0u8; bb];
+            for r in 0..32 {
+                for b in 0..3 {
+                    file_block(format, &data, 3, r, b, &mut got);
+                    if r < rows {
+                        assert_eq!(
+                            got,
+                            blocks[(r * 3 + b) * bb..][..bb],
+                            "{format:?} row {r} block {b}"
+                        );
+                    } else {
+                        // Padding: zero scales (and, for Q8_0, zero codes).
+                        assert!(got[..2].iter().all(|&v| v == 0), "{format:?} row {r}");
+                    }
+                }
             }
         }
     }
 
     /// The portable loop against a direct reading of the file's blocks: each block's
-    /// nibbles, scales and the activation's codes, with the module's order of operations.
+    /// codes, scales and the activation's codes, with the module's order of operations.
     #[test]
     fn the_portable_loop_follows_the_definition() {
-        let (rows, cols) = (19, 64);
-        let blocks = random_blocks(rows, cols, 9);
-        let data = interleave(&blocks, rows, cols);
-        let x: Vec<f32> = (0..cols)
-            .map(|i| ((i * 37 % 23) as f32 - 11.0) * 0.3)
-            .collect();
-        let x = Activations::quantize(&x);
-        for g in 0..2 {
-            let got = portable(&data[g * 2 * CHUNK..][..2 * CHUNK], 2, &x);
-            for (l, got) in got.iter().enumerate() {
-                let r = g * GROUP + l;
-                let mut want = 0f32;
-                for b in 0..2 {
-                    if r >= rows {
-                        break;
+        for format in [Format::Q4_1, Format::Q8_0] {
+            let (rows, cols, bb) = (19, 64, format.block_bytes());
+            let blocks = random_blocks(format, rows, cols, 9);
+            let data = interleave(format, &blocks, rows, cols);
+            let x: Vec<f32> = (0..cols)
+                .map(|i| ((i * 37 % 23) as f32 - 11.0) * 0.3)
+                .collect();
+            let x = Activations::quantize(&x);
+            let cb = chunk_bytes(format);
+            for g in 0..2 {
+                let got = portable(format, &data[g * 2 * cb..][..2 * cb], 2, &x);
+                for (l, got) in got.iter().enumerate() {
+                    let r = g * GROUP + l;
+                    let mut want = 0f32;
+                    for b in 0..2 {
+                        if r >= rows {
+                            break;
+                        }
+                        let blk = &blocks[(r * 2 + b) * bb..][..bb];
+                        let d = f16::from_le_bytes([blk[0], blk[1]]).to_f32();
+                        let code = |e: usize| match format {
+                            Format::Q4_1 => {
+                                let byte = blk[4 + e % 16];
+                                (if e < 16 { byte & 0x0F } else { byte >> 4 }) as i32
+                            }
+                            _ => blk[2 + e] as i8 as i32,
+                        };
+                        let sum: i32 = (0..QK).map(|e| code(e) * x.q[b * QK + e] as i32).sum();
+                        want = (d * x.scales[b][0]).mul_add(sum as f32, want);
+                        if format == Format::Q4_1 {
+                            let m = f16::from_le_bytes([blk[2], blk[3]]).to_f32();
+                            want = m.mul_add(x.scales[b][1], want);
+                        }
                     }
-                    let blk = &blocks[(r * 2 + b) * BLOCK..][..BLOCK];
-                    let d = f16::from_le_bytes([blk[0], blk[1]]).to_f32();
-                    let m = f16::from_le_bytes([blk[2], blk[3]]).to_f32();
-                    let sum: i32 = (0..QK)
-                        .map(|e| {
-                            let byte = blk[4 + e % 16];
-                            let code = if e < 16 { byte & 0x0F } else { byte >> 4 };
-                            code as i32 * x.q[b * QK + e] as i32
-                        })
-                        .sum();
-                    want = (d * x.scales[b][0]).mul_add(sum as f32, want);
-                    want = m.mul_add(x.scales[b][1], want);
+                    assert_eq!(got.to_bits(), want.to_bits(), "{format:?} row {r}");
                 }
-                assert_eq!(got.to_bits(), want.to_bits(), "row {r}");
             }
         }
     }

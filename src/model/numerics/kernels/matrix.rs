@@ -2,11 +2,11 @@
 //! product with rows of activations, `y_i = W x_i`.
 //!
 //! Fewer than [`TILED_MIN_ROWS`] activation rows (decode, small batches) go through the
-//! integer kernels: each row quantized to 8 bits once; Q4_1 weights are held interleaved
-//! sixteen rows to a group and multiplied by `interleaved`'s kernels, one weight row per
-//! 32-bit lane; Q8_0 and Q5_0 rows are streamed once for a panel of activation rows
-//! (`panel`: up to sixteen of Q8_0 on AVX-512 VNNI, else six; one row alone goes to
-//! `dot`'s kernels). Every row's result is the same as if it were computed alone. More rows (prefill) go through dequantized tiles:
+//! integer kernels: each row quantized to 8 bits once; Q4_1 and Q8_0 weights are held
+//! interleaved sixteen rows to a group and multiplied by `interleaved`'s kernels, one
+//! weight row per 32-bit lane; Q5_0 rows are streamed once for a panel of up to six
+//! activation rows (`panel`; one row alone goes to `dot`'s kernels). Every row's result is
+//! the same as if it were computed alone. More rows (prefill) go through dequantized tiles:
 //! a few weight rows at a time are expanded to f32 in a per-thread buffer of about
 //! `TILE_BYTES` and multiplied with all activation rows by `gemm`, so the f32 weight
 //! never exists whole and each expanded tile is used while it is in cache. A batch of
@@ -40,7 +40,7 @@ pub struct BlockMatrix {
     format: Format,
     rows: usize,
     cols: usize,
-    /// Q8_0 and Q5_0: `rows * cols / QK` blocks, row after row. Q4_1: the same blocks
+    /// Q5_0: `rows * cols / QK` blocks, row after row. Q4_1 and Q8_0: the same blocks
     /// interleaved in groups of sixteen rows (`interleaved`), the last group padded.
     blocks: Vec<u8>,
 }
@@ -57,9 +57,10 @@ impl BlockMatrix {
         if !fits {
             return None;
         }
-        let blocks = match format {
-            Format::Q4_1 => interleaved::interleave(&blocks, rows, cols),
-            Format::Q5_0 | Format::Q8_0 => blocks,
+        let blocks = if interleaved::holds(format) {
+            interleaved::interleave(format, &blocks, rows, cols)
+        } else {
+            blocks
         };
         Some(Self {
             format,
@@ -71,16 +72,15 @@ impl BlockMatrix {
 
     /// The blocks row after row, as the file stores them.
     fn into_file_blocks(self) -> Vec<u8> {
-        match self.format {
-            Format::Q4_1 => {
-                let nb = self.cols / QK;
-                (0..self.rows)
-                    .flat_map(|r| (0..nb).map(move |b| (r, b)))
-                    .flat_map(|(r, b)| interleaved::file_block(&self.blocks, nb, r, b))
-                    .collect()
-            }
-            Format::Q5_0 | Format::Q8_0 => self.blocks,
+        if !interleaved::holds(self.format) {
+            return self.blocks;
         }
+        let (nb, bb) = (self.cols / QK, self.format.block_bytes());
+        let mut out = vec![0u8; self.rows * nb * bb];
+        for (i, blk) in out.chunks_exact_mut(bb).enumerate() {
+            interleaved::file_block(self.format, &self.blocks, nb, i / nb, i % nb, blk);
+        }
+        out
     }
 
     /// Quantize a row-major f32 `(rows, cols)` matrix to Q8_0; `None` if `cols` is not a
@@ -155,8 +155,8 @@ impl BlockMatrix {
         self.cols
     }
 
-    /// Bytes of weight data (what one matrix-vector product streams; Q4_1's padding
-    /// rows included).
+    /// Bytes of weight data (what one matrix-vector product streams; the padding rows of
+    /// an interleaved format included).
     pub fn bytes(&self) -> usize {
         self.blocks.len()
     }
@@ -167,23 +167,21 @@ impl BlockMatrix {
 
     /// Rows `r0..r1` dequantized into `out` (`(r1 - r0) * cols` floats, row-major).
     fn dequantize_rows(&self, r0: usize, r1: usize, out: &mut [f32]) {
-        match self.format {
-            Format::Q4_1 => {
-                let nb = self.cols / QK;
-                for (r, row) in (r0..r1).zip(out.chunks_exact_mut(self.cols)) {
-                    for (b, o) in row.chunks_exact_mut(QK).enumerate() {
-                        let blk = interleaved::file_block(&self.blocks, nb, r, b);
-                        Format::Q4_1.dequantize(&blk, o);
-                    }
+        if interleaved::holds(self.format) {
+            let nb = self.cols / QK;
+            let mut blk = vec![0u8; self.format.block_bytes()];
+            for (r, row) in (r0..r1).zip(out.chunks_exact_mut(self.cols)) {
+                for (b, o) in row.chunks_exact_mut(QK).enumerate() {
+                    interleaved::file_block(self.format, &self.blocks, nb, r, b, &mut blk);
+                    self.format.dequantize(&blk, o);
                 }
             }
-            Format::Q5_0 | Format::Q8_0 => {
-                let rb = self.row_bytes();
-                self.format.dequantize(
-                    &self.blocks[r0 * rb..r1 * rb],
-                    &mut out[..(r1 - r0) * self.cols],
-                );
-            }
+        } else {
+            let rb = self.row_bytes();
+            self.format.dequantize(
+                &self.blocks[r0 * rb..r1 * rb],
+                &mut out[..(r1 - r0) * self.cols],
+            );
         }
     }
 
@@ -224,7 +222,7 @@ impl BlockMatrix {
     /// [`BlockMatrix::quantized_product`] without the panel kernels: each weight row
     /// against groups of up to four activation rows, as before panels existed. The
     /// same floats; for measuring what the panels buy (`headwise bench kernels`). Q4_1
-    /// has no panels: its interleaved kernels run either way.
+    /// and Q8_0 have no panels: their interleaved kernels run either way.
     pub fn grouped_product(&self, x: &[f32], n: usize, isa: Isa) -> Vec<f32> {
         self.product(x, n, isa, false)
     }
@@ -243,14 +241,13 @@ impl BlockMatrix {
         if n == 0 {
             return y;
         }
-        if self.format == Format::Q4_1 {
+        if interleaved::holds(self.format) {
             self.interleaved_product(isa, &refs, &mut y);
             return y;
         }
-        // Several rows: panels (16 rows of Q4_1 or Q8_0 on AVX-512 VNNI, else 6), each
-        // weight row read once per panel (one row keeps the one-row kernel, tuned for
-        // decode latency).
-        let per_panel = panel::rows(isa, self.format);
+        // Q5_0, several rows: panels of up to six, each weight row read once per panel
+        // (one row keeps the one-row kernel, tuned for decode latency).
+        let per_panel = panel::PANEL;
         let panels: Vec<Panel> = if panels && n > 1 && panel::runs(isa) {
             refs.chunks(per_panel).map(Panel::new).collect()
         } else {
@@ -269,7 +266,7 @@ impl BlockMatrix {
                         }
                     } else {
                         for (p, os) in panels.iter().zip(o.chunks_mut(per_panel)) {
-                            panel::weight_row(isa, self.format, p, w, os);
+                            panel::weight_row(isa, p, w, os);
                         }
                     }
                     // Written in place, as the rows come: a task's consecutive weight
@@ -285,8 +282,8 @@ impl BlockMatrix {
         y
     }
 
-    /// The product of interleaved Q4_1 weights with `xs` into `y` `(xs.len(), rows)`: each
-    /// task takes whole groups of sixteen weight rows.
+    /// The product of interleaved weights with `xs` into `y` `(xs.len(), rows)`: each task
+    /// takes whole groups of sixteen weight rows.
     fn interleaved_product(&self, isa: Supported, xs: &[&Activations], y: &mut [f32]) {
         let (n, nb) = (xs.len(), self.cols / QK);
         let groups_per_task = ROWS_PER_TASK / GROUP;
@@ -297,7 +294,7 @@ impl BlockMatrix {
             .for_each(|t| {
                 let mut o = vec![[0f32; GROUP]; n];
                 for g in t * groups_per_task..((t + 1) * groups_per_task).min(groups) {
-                    interleaved::group_product(isa, &self.blocks, nb, g, xs, &mut o);
+                    interleaved::group_product(isa, self.format, &self.blocks, nb, g, xs, &mut o);
                     let real = GROUP.min(self.rows - g * GROUP);
                     for (i, lanes) in o.iter().enumerate() {
                         for (l, v) in lanes[..real].iter().enumerate() {
@@ -717,7 +714,11 @@ mod tests {
         let c = random_blocks(Format::Q5_0, 3, 64, 2);
         let d = random_blocks(Format::Q8_0, 2, 64, 5);
         let s = BlockMatrix::stack(vec![c.clone(), d.clone()]).unwrap();
-        assert_eq!((s.format(), s.rows(), s.bytes()), (Format::Q8_0, 5, 5 * 68));
+        // Q8_0 is held in groups of sixteen rows too.
+        assert_eq!(
+            (s.format(), s.rows(), s.bytes()),
+            (Format::Q8_0, 5, 16 * 68)
+        );
         let mut want = c.dequantize();
         want.extend(d.dequantize());
         assert_eq!(s.dequantize(), want);

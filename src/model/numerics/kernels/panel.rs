@@ -1,32 +1,25 @@
-//! Panels for batches of Q8_0 and Q5_0 rows: one weight row against several activation
+//! Panels for batches of Q5_0 rows: one weight row against up to [`PANEL`] activation
 //! rows in one pass, so each weight block is unpacked once for all of them and every row
 //! costs a few vector instructions per block (integer dot product, conversion, scale,
 //! fused multiply-add) instead of about a dozen in [`super::dot`]'s kernels, which
-//! rebuild each row's scales from scalars. AVX-512 VNNI takes up to 16 rows of Q8_0, a
-//! pair of blocks per 512-bit register; AVX-VNNI and AVX2 (the same loop, `vpdpbusd` or
-//! `vpmaddubsw` + `vpmaddwd`) take up to [`PANEL_256`] rows, one block per 256-bit
-//! register, as many as their two accumulators per row leave registers for, and so does
-//! Q5_0 on every one of them (on AVX-512 VNNI with the 256-bit `vpdpbusd`), its codes
-//! unpacked to `q - 16` and multiplied as Q8_0's. (Q4_1 is interleaved and has its own
-//! kernels for any number of rows.)
+//! rebuild each row's scales from scalars. One block per 256-bit register on every
+//! instruction set (`vpdpbusd` on the VNNI sets, `vpmaddubsw` + `vpmaddwd` on AVX2), the
+//! codes unpacked to `q - 16`; as many rows as two accumulators per row leave registers
+//! for. (Q4_1 and Q8_0 are interleaved and have their own kernels for any number of rows.)
 //!
 //! The floats are [`super::dot`]'s, lane for lane: every row keeps its own even- and
-//! odd-block accumulators (the two halves of one 512-bit register, or two 256-bit ones)
-//! and sees the same fused multiply-adds in the same order; its scale `d_w * d_x` is the
-//! same product (the activation row's `d_x` is laid out once per panel as a vector and
-//! multiplied by the weight's `d_w`). So a row's result does not depend on the batch it
-//! runs in or on which kernel computed it.
+//! odd-block accumulators and sees the same fused multiply-adds in the same order; its
+//! scale `d_w * d_x` is the same product (the activation row's `d_x` is laid out once per
+//! panel as a vector and multiplied by the weight's `d_w`). So a row's result does not
+//! depend on the batch it runs in or on which kernel computed it.
 
 use super::blocks::{Activations, Format};
 use super::dot::Supported;
 use super::isa::Isa;
 
-/// Most activation rows of one panel.
-pub(super) const PANEL: usize = 16;
-
-/// Most activation rows of a 256-bit panel: two accumulators per row, and registers
-/// left for the weight block, its scale and the offsets.
-pub(super) const PANEL_256: usize = 6;
+/// Most activation rows of one panel: two accumulators per row, and registers left for
+/// the weight block and its scale.
+pub(super) const PANEL: usize = 6;
 
 /// At most [`PANEL`] activation rows laid out for the panel kernels.
 pub(super) struct Panel<'a> {
@@ -100,57 +93,42 @@ impl<'a> Panel<'a> {
     }
 }
 
-/// Whether [`weight_row`] runs on `isa`: AVX2, AVX-VNNI and AVX-512 VNNI, Q8_0 and Q5_0.
+/// Whether [`weight_row`] runs on `isa`: AVX2, AVX-VNNI and AVX-512 VNNI.
 pub(super) fn runs(isa: Supported) -> bool {
     isa.isa() != Isa::Portable
 }
 
-/// Most rows of one panel of `format` on `isa`.
-pub(super) fn rows(isa: Supported, format: Format) -> usize {
-    match (isa.isa(), format) {
-        (Isa::Avx512Vnni, Format::Q8_0) => PANEL,
-        _ => PANEL_256,
-    }
-}
-
-/// `out[r] = sum over blocks of row `w` (`format`) times `panel`'s row `r`.
+/// `out[r] = sum over blocks of Q5_0 row `w` times `panel`'s row `r`.
 ///
-/// Panics unless [`runs`] holds, `out` has one place per row, and `w` is one row of
+/// Panics unless [`runs`] holds, `out` has one place per row, and `w` is one Q5_0 row of
 /// `panel`'s length.
-pub(super) fn weight_row(isa: Supported, format: Format, panel: &Panel, w: &[u8], out: &mut [f32]) {
-    assert!(runs(isa), "no panel kernel for {format:?} on {}", isa.isa());
+pub(super) fn weight_row(isa: Supported, panel: &Panel, w: &[u8], out: &mut [f32]) {
+    assert!(runs(isa), "no panel kernel on {}", isa.isa());
     assert_eq!(out.len(), panel.rows.len(), "one result per panel row");
-    let most = rows(isa, format);
-    assert!(out.len() <= most, "at most {most} rows on {}", isa.isa());
     assert_eq!(
         w.len(),
-        panel.blocks() * format.block_bytes(),
+        panel.blocks() * Format::Q5_0.block_bytes(),
         "block row and panel differ in length"
     );
     #[cfg(target_arch = "x86_64")]
     {
         macro_rules! dispatch {
-            ($($n:literal)*; $($m:literal)*) => {
-                match (isa.isa(), out.len(), format) {
+            ($($m:literal)*) => {
+                match (isa.isa(), out.len()) {
                     // SAFETY (all): `runs` checked that the CPU has the instruction set
                     // (`Supported`; AVX-512 VNNI with BW, VL, F, AVX2, FMA, F16C, and
                     // AVX-VNNI with AVX2, FMA, F16C: `Isa::supported`), and the lengths
                     // and the row count were checked above.
                     $(
-                        (Isa::Avx512Vnni, $n, Format::Q8_0) => out.copy_from_slice(&unsafe { x86::q8_0::<$n>(panel, w) }),
-                    )*
-                    $(
-                        (Isa::AvxVnni, $m, Format::Q8_0) => out.copy_from_slice(&unsafe { x86::q8_0_avxvnni::<$m>(panel, w) }),
-                        (Isa::Avx2, $m, Format::Q8_0) => out.copy_from_slice(&unsafe { x86::q8_0_avx2::<$m>(panel, w) }),
-                        (Isa::Avx512Vnni, $m, Format::Q5_0) => out.copy_from_slice(&unsafe { x86::q5_0_vnni::<$m>(panel, w) }),
-                        (Isa::AvxVnni, $m, Format::Q5_0) => out.copy_from_slice(&unsafe { x86::q5_0_avxvnni::<$m>(panel, w) }),
-                        (Isa::Avx2, $m, Format::Q5_0) => out.copy_from_slice(&unsafe { x86::q5_0_avx2::<$m>(panel, w) }),
+                        (Isa::Avx512Vnni, $m) => out.copy_from_slice(&unsafe { x86::q5_0_vnni::<$m>(panel, w) }),
+                        (Isa::AvxVnni, $m) => out.copy_from_slice(&unsafe { x86::q5_0_avxvnni::<$m>(panel, w) }),
+                        (Isa::Avx2, $m) => out.copy_from_slice(&unsafe { x86::q5_0_avx2::<$m>(panel, w) }),
                     )*
                     _ => unreachable!("checked above"),
                 }
             };
         }
-        dispatch!(1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16; 1 2 3 4 5 6);
+        dispatch!(1 2 3 4 5 6);
     }
     #[cfg(not(target_arch = "x86_64"))]
     unreachable!("no panel kernel off x86-64");
@@ -161,55 +139,9 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::super::blocks::QK;
-    use super::super::dot::x86::{
-        dot_avx2, dot_avxvnni, dot_vnni, halves, hsum, join_ps, q5_0_signed, q8_0_pair,
-    };
+    use super::super::dot::x86::{dot_avx2, dot_avxvnni, dot_vnni, hsum, q5_0_signed};
     use super::super::PREFETCH_BYTES as PREFETCH;
     use super::Panel;
-
-    /// Q8_0 row `w` against the panel's `N` rows: each weight's sign moved onto the
-    /// activation under a mask, as in the one-row kernel.
-    #[target_feature(enable = "avx512vnni,avx512bw,avx512vl,avx512f,avx2,fma,f16c")]
-    pub(super) unsafe fn q8_0<const N: usize>(panel: &Panel, w: &[u8]) -> [f32; N] {
-        let d = |blk: *const u8| {
-            let bits = (blk as *const u16).read_unaligned() as i32;
-            _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits)))
-        };
-        let codes = |blk: *const u8| _mm256_loadu_si256(blk.add(2) as *const __m256i);
-        let nb = panel.blocks();
-        let pairs = nb / 2;
-        let (qs, dxs) = panel.pointers::<N>();
-        let mut acc = [_mm512_setzero_ps(); N];
-        for p in 0..pairs {
-            let b = 2 * p;
-            let (b0, b1) = (w.as_ptr().add(b * 34), w.as_ptr().add((b + 1) * 34));
-            _mm_prefetch::<_MM_HINT_T0>(b0.wrapping_add(PREFETCH) as *const i8);
-            let (wabs, negative) = q8_0_pair(b0, b1);
-            let dw = join_ps(_mm256_set1_ps(d(b0)), _mm256_set1_ps(d(b1)));
-            for r in 0..N {
-                let xv = _mm512_loadu_si512(qs[r].add(b * QK) as *const __m512i);
-                let signed = _mm512_mask_sub_epi8(xv, negative, _mm512_setzero_si512(), xv);
-                let dot =
-                    _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wabs, signed));
-                let dx = _mm512_loadu_ps(dxs[r].add(16 * p));
-                acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(dw, dx), acc[r]);
-            }
-        }
-        std::array::from_fn(|r| {
-            let (mut even, odd) = halves(acc[r]);
-            if nb % 2 == 1 {
-                let b = nb - 1;
-                let blk = w.as_ptr().add(b * 34);
-                let wv = codes(blk);
-                let xv = _mm256_loadu_si256(panel.rows[r].q.as_ptr().add(b * QK) as *const __m256i);
-                let dot =
-                    _mm256_cvtepi32_ps(dot_vnni(_mm256_abs_epi8(wv), _mm256_sign_epi8(xv, wv)));
-                let scale = _mm256_set1_ps(d(blk) * panel.rows[r].scales[b][0]);
-                even = _mm256_fmadd_ps(dot, scale, even);
-            }
-            hsum(_mm256_add_ps(even, odd))
-        })
-    }
 
     /// `$block!(b, $even)` for the even blocks `b` of `0..$nb` and `$block!(b, $odd)` for
     /// the odd ones, in order: a 256-bit panel's loop over a weight row.
@@ -225,7 +157,7 @@ mod x86 {
         };
     }
 
-    /// The body of a 256-bit panel over signed codes (Q8_0, Q5_0) of `$bytes`-byte
+    /// The body of a 256-bit panel over signed codes of `$bytes`-byte
     /// blocks whose first two bytes are the f16 scale: `$codes(block)` gives the 32
     /// signed codes, each weight's sign is moved onto the activation, and blocks go in
     /// pairs so that the even and odd accumulators are named, not indexed.
@@ -263,18 +195,9 @@ mod x86 {
     /// unsigned and signed bytes into each of eight i32 lanes. Blocks go in pairs, so
     /// that the even and odd accumulators are named, not indexed (kept in registers).
     macro_rules! panels_256 {
-        ($q8_0:ident, $q5_0:ident, $features:literal, $dot:ident) => {
-            /// Q8_0 row `w` against the panel's `N` rows (`N` <= [`PANEL_256`]): each
-            /// weight's sign moved onto the activation, as in the one-row kernel.
-            #[target_feature(enable = $features)]
-            pub(super) unsafe fn $q8_0<const N: usize>(panel: &Panel, w: &[u8]) -> [f32; N] {
-                signed_256!(panel, w, N, 34, $dot, |blk: *const u8| _mm256_loadu_si256(
-                    blk.add(2) as *const __m256i
-                ))
-            }
-
-            /// Q5_0 row `w` against the panel's `N` rows (`N` <= [`PANEL_256`]): the
-            /// codes unpacked to `q - 16`, then as Q8_0's.
+        ($q5_0:ident, $features:literal, $dot:ident) => {
+            /// Q5_0 row `w` against the panel's `N` rows (`N` <= [`PANEL`]): the codes
+            /// unpacked to `q - 16`, each weight's sign moved onto the activation.
             #[target_feature(enable = $features)]
             pub(super) unsafe fn $q5_0<const N: usize>(panel: &Panel, w: &[u8]) -> [f32; N] {
                 signed_256!(panel, w, N, 22, $dot, |blk: *const u8| q5_0_signed(blk))
@@ -282,13 +205,8 @@ mod x86 {
         };
     }
 
-    panels_256!(q8_0_avx2, q5_0_avx2, "avx2,fma,f16c", dot_avx2);
-    panels_256!(
-        q8_0_avxvnni,
-        q5_0_avxvnni,
-        "avxvnni,avx2,fma,f16c",
-        dot_avxvnni
-    );
+    panels_256!(q5_0_avx2, "avx2,fma,f16c", dot_avx2);
+    panels_256!(q5_0_avxvnni, "avxvnni,avx2,fma,f16c", dot_avxvnni);
 
     /// Q5_0 on AVX-512 VNNI: the 256-bit panel with its 256-bit `vpdpbusd` (Q5_0's
     /// blocks are not paired into 512-bit registers).
