@@ -67,32 +67,37 @@ fn file_codes(format: Format) -> (usize, u8) {
     }
 }
 
-/// Row-major `blocks` of `format` (Q4_1 or Q8_0) of a `(rows, cols)` matrix, interleaved.
+/// Row-major `blocks` of `format` (Q4_1 or Q8_0) of a `(rows, cols)` matrix, interleaved
+/// in place: a group's rows occupy the same bytes before and after, so only one group is
+/// copied aside at a time (no second copy of the matrix, even while loading).
 ///
 /// Panics if `blocks` is not `rows * cols / QK` blocks or `format` is not held
 /// interleaved.
-pub(super) fn interleave(format: Format, blocks: &[u8], rows: usize, cols: usize) -> Vec<u8> {
+pub(super) fn interleave(format: Format, mut blocks: Vec<u8>, rows: usize, cols: usize) -> Vec<u8> {
     assert!(holds(format), "{format:?} is not interleaved");
     let (nb, bb, cb) = (cols / QK, format.block_bytes(), chunk_bytes(format));
     assert_eq!(blocks.len(), rows * nb * bb, "blocks do not fit the shape");
     let ((codes, n_runs), (src_codes, flip)) = (runs(format), file_codes(format));
     let scales = src_codes / 2;
-    let mut out = vec![0u8; rows.div_ceil(GROUP) * nb * cb];
-    for (r, row) in blocks.chunks_exact(nb * bb).enumerate() {
-        for (b, src) in row.chunks_exact(bb).enumerate() {
-            let (g, l) = (r / GROUP, r % GROUP);
-            let chunk = &mut out[(g * nb + b) * cb..][..cb];
-            for s in 0..scales {
-                chunk[2 * GROUP * s + 2 * l..][..2].copy_from_slice(&src[2 * s..2 * s + 2]);
-            }
-            for k in 0..n_runs {
-                for j in 0..4 {
-                    chunk[codes + 64 * k + 4 * l + j] = src[src_codes + 4 * k + j] ^ flip;
+    blocks.resize(rows.div_ceil(GROUP) * nb * cb, 0);
+    let mut rows_aside = vec![0u8; nb * cb];
+    for group in blocks.chunks_exact_mut(nb * cb) {
+        rows_aside.copy_from_slice(group);
+        for (l, row) in rows_aside.chunks_exact(nb * bb).enumerate() {
+            for (b, src) in row.chunks_exact(bb).enumerate() {
+                let chunk = &mut group[b * cb..][..cb];
+                for s in 0..scales {
+                    chunk[2 * GROUP * s + 2 * l..][..2].copy_from_slice(&src[2 * s..2 * s + 2]);
+                }
+                for k in 0..n_runs {
+                    for j in 0..4 {
+                        chunk[codes + 64 * k + 4 * l + j] = src[src_codes + 4 * k + j] ^ flip;
+                    }
                 }
             }
         }
     }
-    out
+    blocks
 }
 
 /// Block `b` of row `r` in the file's layout, from interleaved `data` of `format` with
@@ -534,7 +539,7 @@ mod tests {
         for format in [Format::Q4_1, Format::Q8_0] {
             let (rows, cols, bb) = (21, 96, format.block_bytes());
             let blocks = random_blocks(format, rows, cols, 3);
-            let data = interleave(format, &blocks, rows, cols);
+            let data = interleave(format, blocks.clone(), rows, cols);
             assert_eq!(data.len(), 2 * 3 * chunk_bytes(format));
             let mut got = vec![0u8; bb];
             for r in 0..32 {
@@ -562,7 +567,7 @@ mod tests {
         for format in [Format::Q4_1, Format::Q8_0] {
             let (rows, cols, bb) = (19, 64, format.block_bytes());
             let blocks = random_blocks(format, rows, cols, 9);
-            let data = interleave(format, &blocks, rows, cols);
+            let data = interleave(format, blocks.clone(), rows, cols);
             let x: Vec<f32> = (0..cols)
                 .map(|i| ((i * 37 % 23) as f32 - 11.0) * 0.3)
                 .collect();

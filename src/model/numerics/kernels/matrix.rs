@@ -58,7 +58,7 @@ impl BlockMatrix {
             return None;
         }
         let blocks = if interleaved::holds(format) {
-            interleaved::interleave(format, &blocks, rows, cols)
+            interleaved::interleave(format, blocks, rows, cols)
         } else {
             blocks
         };
