@@ -124,6 +124,42 @@ pub(super) fn file_block(
     }
 }
 
+/// Block `b` of row `r` of interleaved `data` (`format`, `nb` blocks per row) as its
+/// [`QK`] values, with [`Format::dequantize`]'s arithmetic (`q * d + m`, `q * d`), read in
+/// place.
+pub(super) fn dequantize_block(
+    format: Format,
+    data: &[u8],
+    nb: usize,
+    r: usize,
+    b: usize,
+    out: &mut [f32],
+) {
+    let (codes, n_runs) = runs(format);
+    let cb = chunk_bytes(format);
+    let (g, l) = (r / GROUP, r % GROUP);
+    let chunk = &data[(g * nb + b) * cb..][..cb];
+    let half = |at: usize| f16::from_le_bytes([chunk[at], chunk[at + 1]]).to_f32();
+    let d = half(2 * l);
+    let at = |k: usize| &chunk[codes + 64 * k + 4 * l..][..4];
+    if format == Format::Q4_1 {
+        let m = half(2 * GROUP + 2 * l);
+        let (lo, hi) = out[..QK].split_at_mut(QK / 2);
+        for k in 0..n_runs {
+            for (j, &byte) in at(k).iter().enumerate() {
+                lo[4 * k + j] = (byte & 0x0F) as f32 * d + m;
+                hi[4 * k + j] = (byte >> 4) as f32 * d + m;
+            }
+        }
+    } else {
+        for k in 0..n_runs {
+            for (j, &byte) in at(k).iter().enumerate() {
+                out[4 * k + j] = (byte ^ 0x80) as i8 as f32 * d;
+            }
+        }
+    }
+}
+
 /// `out[i][l]` = weight row `group * GROUP + l` of interleaved `data` (`format`, `nb`
 /// blocks per row) times `xs[i]`; padding rows give 0.
 ///
@@ -555,6 +591,24 @@ mod tests {
                         // Padding: zero scales (and, for Q8_0, zero codes).
                         assert!(got[..2].iter().all(|&v| v == 0), "{format:?} row {r}");
                     }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn blocks_dequantize_in_place_as_the_file_blocks_do() {
+        for format in [Format::Q4_1, Format::Q8_0] {
+            let (rows, cols, bb) = (21, 96, format.block_bytes());
+            let blocks = random_blocks(format, rows, cols, 5);
+            let data = interleave(format, blocks.clone(), rows, cols);
+            let (mut got, mut want) = ([0f32; QK], [0f32; QK]);
+            for r in 0..rows {
+                for b in 0..3 {
+                    dequantize_block(format, &data, 3, r, b, &mut got);
+                    format.dequantize(&blocks[(r * 3 + b) * bb..][..bb], &mut want);
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&got), bits(&want), "{format:?} row {r} block {b}");
                 }
             }
         }

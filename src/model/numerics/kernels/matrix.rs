@@ -169,11 +169,9 @@ impl BlockMatrix {
     fn dequantize_rows(&self, r0: usize, r1: usize, out: &mut [f32]) {
         if interleaved::holds(self.format) {
             let nb = self.cols / QK;
-            let mut blk = vec![0u8; self.format.block_bytes()];
             for (r, row) in (r0..r1).zip(out.chunks_exact_mut(self.cols)) {
                 for (b, o) in row.chunks_exact_mut(QK).enumerate() {
-                    interleaved::file_block(self.format, &self.blocks, nb, r, b, &mut blk);
-                    self.format.dequantize(&blk, o);
+                    interleaved::dequantize_block(self.format, &self.blocks, nb, r, b, o);
                 }
             }
         } else {
