@@ -319,21 +319,51 @@ mod x86 {
         }
     }
 
-    /// One Q4_1 group against `R` activation rows, sixteen weight rows per 512-bit
-    /// register.
-    #[target_feature(enable = "avx512vnni,avx512bw,avx512f,avx2,fma,f16c")]
-    pub(super) unsafe fn q4_1_512<const R: usize>(
-        w: *const u8,
-        nb: usize,
-        x: [&Activations; R],
-    ) -> [[f32; GROUP]; R] {
-        let (bytes, codes) = Q4_1;
-        let low = _mm512_set1_epi8(0x0F);
-        let mut acc = [_mm512_setzero_ps(); R];
-        for b in 0..nb {
-            let chunk = w.add(b * bytes);
-            prefetch(chunk, bytes);
-            let mut sums = [_mm512_setzero_si512(); R];
+    /// A kernel: one group (`w`, `nb` blocks) against `R` activation rows `$x`, `$lanes`
+    /// weight rows per register of type `$f32s` (`$zero`, `$store`), the group's
+    /// `GROUP / $lanes` parts in turn (`$part`). Per block `$b` at `$chunk` (its codes from
+    /// byte `$codes`), `$sum` leaves every row's integer sums in `$sums` (from `$izero`) and
+    /// `$tail` folds them into the accumulators `$acc`.
+    macro_rules! kernel {
+        (
+            $name:ident, $features:literal, $layout:expr, $lanes:literal,
+            ($f32s:ty, $zero:ident, $izero:ident, $store:ident),
+            |$x:ident, $part:ident, $b:ident, $chunk:ident, $codes:ident, $sums:ident, $acc:ident|
+            $sum:block $tail:block
+        ) => {
+            #[target_feature(enable = $features)]
+            pub(super) unsafe fn $name<const R: usize>(
+                w: *const u8,
+                nb: usize,
+                $x: [&Activations; R],
+            ) -> [[f32; GROUP]; R] {
+                let (bytes, $codes) = $layout;
+                let mut out = [[0f32; GROUP]; R];
+                for $part in 0..GROUP / $lanes {
+                    let mut $acc: [$f32s; R] = [$zero(); R];
+                    for $b in 0..nb {
+                        let $chunk = w.add($b * bytes);
+                        if $part == 0 {
+                            prefetch($chunk, bytes);
+                        }
+                        let mut $sums = [$izero(); R];
+                        $sum
+                        $tail
+                    }
+                    for r in 0..R {
+                        $store(out[r].as_mut_ptr().add($lanes * $part), $acc[r]);
+                    }
+                }
+                out
+            }
+        };
+    }
+
+    kernel!(
+        q4_1_512, "avx512vnni,avx512bw,avx512f,avx2,fma,f16c", Q4_1, 16,
+        (__m512, _mm512_setzero_ps, _mm512_setzero_si512, _mm512_storeu_ps),
+        |x, _part, b, chunk, codes, sums, acc| {
+            let low = _mm512_set1_epi8(0x0F);
             for k in 0..4 {
                 let run = _mm512_loadu_si512(chunk.add(codes + 64 * k) as *const __m512i);
                 let lo = _mm512_and_si512(run, low);
@@ -344,6 +374,8 @@ mod x86 {
                     sums[r] = _mm512_dpbusd_epi32(sums[r], hi, four_512(q.add(16 + 4 * k)));
                 }
             }
+        }
+        {
             let d = _mm512_cvtph_ps(_mm256_loadu_si256(chunk as *const __m256i));
             let m = _mm512_cvtph_ps(_mm256_loadu_si256(chunk.add(2 * GROUP) as *const __m256i));
             for r in 0..R {
@@ -353,27 +385,12 @@ mod x86 {
                 acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(dx_sum), acc[r]);
             }
         }
-        let mut out = [[0f32; GROUP]; R];
-        for r in 0..R {
-            _mm512_storeu_ps(out[r].as_mut_ptr(), acc[r]);
-        }
-        out
-    }
+    );
 
-    /// One Q8_0 group against `R` activation rows, sixteen weight rows per 512-bit
-    /// register: codes plus 128 times the activation, less `128 * sum(q_x)`.
-    #[target_feature(enable = "avx512vnni,avx512bw,avx512f,avx2,fma,f16c")]
-    pub(super) unsafe fn q8_0_512<const R: usize>(
-        w: *const u8,
-        nb: usize,
-        x: [&Activations; R],
-    ) -> [[f32; GROUP]; R] {
-        let (bytes, codes) = Q8_0;
-        let mut acc = [_mm512_setzero_ps(); R];
-        for b in 0..nb {
-            let chunk = w.add(b * bytes);
-            prefetch(chunk, bytes);
-            let mut sums = [_mm512_setzero_si512(); R];
+    kernel!(
+        q8_0_512, "avx512vnni,avx512bw,avx512f,avx2,fma,f16c", Q8_0, 16,
+        (__m512, _mm512_setzero_ps, _mm512_setzero_si512, _mm512_storeu_ps),
+        |x, _part, b, chunk, codes, sums, acc| {
             for k in 0..8 {
                 let run = _mm512_loadu_si512(chunk.add(codes + 64 * k) as *const __m512i);
                 for r in 0..R {
@@ -381,6 +398,8 @@ mod x86 {
                     sums[r] = _mm512_dpbusd_epi32(sums[r], run, four_512(q.add(4 * k)));
                 }
             }
+        }
+        {
             let d = _mm512_cvtph_ps(_mm256_loadu_si256(chunk as *const __m256i));
             for r in 0..R {
                 let s = _mm512_sub_epi32(sums[r], _mm512_set1_epi32(x[r].excess[b]));
@@ -388,12 +407,7 @@ mod x86 {
                 acc[r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(s), acc[r]);
             }
         }
-        let mut out = [[0f32; GROUP]; R];
-        for r in 0..R {
-            _mm512_storeu_ps(out[r].as_mut_ptr(), acc[r]);
-        }
-        out
-    }
+    );
 
     /// `acc` plus the sums of four adjacent products of unsigned `u` and signed `s` bytes,
     /// per i32 lane (AVX2: pair sums in i16, which `2 * 128 * 127` cannot saturate).
@@ -429,101 +443,68 @@ mod x86 {
     }
 
     /// The 256-bit kernels of one instruction set, eight weight rows per register (the
-    /// group's two halves in turn): `$q4_1` given the set's accumulating dot product,
-    /// `$q8_0` given its Q8_0 step and whether that step leaves the excess to subtract.
+    /// group's two halves in turn): Q4_1 given the set's accumulating dot product
+    /// `$add_dot`, Q8_0 given its Q8_0 step `$add_q8_0` and whether that step leaves the
+    /// excess to subtract.
     macro_rules! narrow {
         ($q4_1:ident, $q8_0:ident, $features:literal, $add_dot:ident, $add_q8_0:ident, $excess:literal) => {
-            /// One Q4_1 group against `R` activation rows.
-            #[target_feature(enable = $features)]
-            pub(super) unsafe fn $q4_1<const R: usize>(
-                w: *const u8,
-                nb: usize,
-                x: [&Activations; R],
-            ) -> [[f32; GROUP]; R] {
-                let (bytes, codes) = Q4_1;
-                let low = _mm256_set1_epi8(0x0F);
-                let mut out = [[0f32; GROUP]; R];
-                for half in 0..2 {
-                    let mut acc = [_mm256_setzero_ps(); R];
-                    for b in 0..nb {
-                        let chunk = w.add(b * bytes);
-                        if half == 0 {
-                            prefetch(chunk, bytes);
-                        }
-                        let mut sums = [_mm256_setzero_si256(); R];
-                        for k in 0..4 {
-                            let at = chunk.add(codes + 64 * k + 32 * half);
-                            let run = _mm256_loadu_si256(at as *const __m256i);
-                            let lo = _mm256_and_si256(run, low);
-                            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(run), low);
-                            for r in 0..R {
-                                let q = x[r].q.as_ptr().add(b * QK);
-                                let xl = four_256(q.add(4 * k));
-                                let xh = four_256(q.add(16 + 4 * k));
-                                sums[r] = $add_dot($add_dot(sums[r], lo, xl), hi, xh);
-                            }
-                        }
-                        let at = |offset: usize| chunk.add(offset + 16 * half) as *const __m128i;
-                        let d = _mm256_cvtph_ps(_mm_loadu_si128(at(0)));
-                        let m = _mm256_cvtph_ps(_mm_loadu_si128(at(2 * GROUP)));
+            kernel!(
+                $q4_1, $features, Q4_1, 8,
+                (__m256, _mm256_setzero_ps, _mm256_setzero_si256, _mm256_storeu_ps),
+                |x, half, b, chunk, codes, sums, acc| {
+                    let low = _mm256_set1_epi8(0x0F);
+                    for k in 0..4 {
+                        let at = chunk.add(codes + 64 * k + 32 * half);
+                        let run = _mm256_loadu_si256(at as *const __m256i);
+                        let lo = _mm256_and_si256(run, low);
+                        let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(run), low);
                         for r in 0..R {
-                            let [dx, dx_sum] = x[r].scales[b];
-                            let scale = _mm256_mul_ps(d, _mm256_set1_ps(dx));
-                            acc[r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sums[r]), acc[r]);
-                            acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(dx_sum), acc[r]);
+                            let q = x[r].q.as_ptr().add(b * QK);
+                            let xl = four_256(q.add(4 * k));
+                            let xh = four_256(q.add(16 + 4 * k));
+                            sums[r] = $add_dot($add_dot(sums[r], lo, xl), hi, xh);
                         }
-                    }
-                    for r in 0..R {
-                        _mm256_storeu_ps(out[r].as_mut_ptr().add(8 * half), acc[r]);
                     }
                 }
-                out
-            }
+                {
+                    let at = |offset: usize| chunk.add(offset + 16 * half) as *const __m128i;
+                    let d = _mm256_cvtph_ps(_mm_loadu_si128(at(0)));
+                    let m = _mm256_cvtph_ps(_mm_loadu_si128(at(2 * GROUP)));
+                    for r in 0..R {
+                        let [dx, dx_sum] = x[r].scales[b];
+                        let scale = _mm256_mul_ps(d, _mm256_set1_ps(dx));
+                        acc[r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sums[r]), acc[r]);
+                        acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(dx_sum), acc[r]);
+                    }
+                }
+            );
 
-            /// One Q8_0 group against `R` activation rows.
-            #[target_feature(enable = $features)]
-            pub(super) unsafe fn $q8_0<const R: usize>(
-                w: *const u8,
-                nb: usize,
-                x: [&Activations; R],
-            ) -> [[f32; GROUP]; R] {
-                let (bytes, codes) = Q8_0;
-                let mut out = [[0f32; GROUP]; R];
-                for half in 0..2 {
-                    let mut acc = [_mm256_setzero_ps(); R];
-                    for b in 0..nb {
-                        let chunk = w.add(b * bytes);
-                        if half == 0 {
-                            prefetch(chunk, bytes);
-                        }
-                        let mut sums = [_mm256_setzero_si256(); R];
-                        for k in 0..8 {
-                            let at = chunk.add(codes + 64 * k + 32 * half);
-                            let run = _mm256_loadu_si256(at as *const __m256i);
-                            for r in 0..R {
-                                let q = x[r].q.as_ptr().add(b * QK);
-                                sums[r] = $add_q8_0(sums[r], run, four_256(q.add(4 * k)));
-                            }
-                        }
-                        let d = _mm256_cvtph_ps(_mm_loadu_si128(
-                            chunk.add(16 * half) as *const __m128i
-                        ));
+            kernel!(
+                $q8_0, $features, Q8_0, 8,
+                (__m256, _mm256_setzero_ps, _mm256_setzero_si256, _mm256_storeu_ps),
+                |x, half, b, chunk, codes, sums, acc| {
+                    for k in 0..8 {
+                        let at = chunk.add(codes + 64 * k + 32 * half);
+                        let run = _mm256_loadu_si256(at as *const __m256i);
                         for r in 0..R {
-                            let s = if $excess {
-                                _mm256_sub_epi32(sums[r], _mm256_set1_epi32(x[r].excess[b]))
-                            } else {
-                                sums[r]
-                            };
-                            let scale = _mm256_mul_ps(d, _mm256_set1_ps(x[r].scales[b][0]));
-                            acc[r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(s), acc[r]);
+                            let q = x[r].q.as_ptr().add(b * QK);
+                            sums[r] = $add_q8_0(sums[r], run, four_256(q.add(4 * k)));
                         }
-                    }
-                    for r in 0..R {
-                        _mm256_storeu_ps(out[r].as_mut_ptr().add(8 * half), acc[r]);
                     }
                 }
-                out
-            }
+                {
+                    let d = _mm256_cvtph_ps(_mm_loadu_si128(chunk.add(16 * half) as *const __m128i));
+                    for r in 0..R {
+                        let s = if $excess {
+                            _mm256_sub_epi32(sums[r], _mm256_set1_epi32(x[r].excess[b]))
+                        } else {
+                            sums[r]
+                        };
+                        let scale = _mm256_mul_ps(d, _mm256_set1_ps(x[r].scales[b][0]));
+                        acc[r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(s), acc[r]);
+                    }
+                }
+            );
         };
     }
 
