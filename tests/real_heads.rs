@@ -249,8 +249,10 @@ fn dynamic_ablation_refuses_too_small_grids_resumes_and_grows() {
         std::fs::read_to_string(&partial).unwrap().lines().count(),
         3
     );
-    // Two more seeds make two answered (under the fast numerics of 2e82903 seed 102 is
-    // missed and 103 answered); the report counts all four prompts.
+    // Two more seeds: the report counts all four prompts. Seed 100 was written as missed
+    // and 101 is answered (the first run says so); whether 102 and 103 are answered rests
+    // on the last bits of the fast numerics (under 2e82903 one was, under 595f0a3 both),
+    // so 2 or 3 prompts are kept, and at least 2 for the report to be written.
     let (ok, err) = run("4", "2");
     assert!(ok, "{err}");
     assert!(err.contains("resuming: 2 prompts already done"), "{err}");
@@ -258,7 +260,10 @@ fn dynamic_ablation_refuses_too_small_grids_resumes_and_grows() {
         serde_json::from_str(&std::fs::read_to_string(out.join("niah-ablation.json")).unwrap())
             .unwrap();
     assert_eq!(report["summary"]["prompts"], 4);
-    assert_eq!(report["summary"]["variants"][0]["kept"]["n"], 2);
+    let kept = report["summary"]["variants"][0]["kept"]["n"]
+        .as_u64()
+        .unwrap();
+    assert!((2..=3).contains(&kept), "{kept} prompts kept");
     assert!(!partial.exists());
     std::fs::remove_dir_all(&out).unwrap();
 }
