@@ -39,39 +39,32 @@ impl Supported {
     }
 }
 
-/// `out[r] = sum over blocks of row `w` (`format`) times `x[r]`.
+/// `out[r] = sum over blocks of Q5_0 row `w` times `x[r]`.
 ///
-/// Panics if `format` is not Q5_0 (the others are interleaved, not row after row) or `w`
-/// is not `x[r].blocks()` blocks of `format` for every `r` (callers check shapes once per
-/// matrix).
+/// Panics if `w` is not `x[r].blocks()` Q5_0 blocks for every `r` (callers check shapes
+/// once per matrix).
 pub(super) fn weight_row<const R: usize>(
     isa: Supported,
-    format: Format,
     x: [&Activations; R],
     w: &[u8],
 ) -> [f32; R] {
-    assert!(
-        format == Format::Q5_0,
-        "{format:?} rows are interleaved: see `interleaved`"
-    );
     for xr in &x {
         assert!(
-            w.len() == xr.blocks() * format.block_bytes() && xr.q.len() == xr.blocks() * QK,
+            w.len() == xr.blocks() * Format::Q5_0.block_bytes() && xr.q.len() == xr.blocks() * QK,
             "block row and activation row differ in length"
         );
     }
-    match (isa.0, format) {
-        (Isa::Portable, _) => std::array::from_fn(|r| portable(x[r], w)),
-        (_, Format::Q4_1 | Format::Q8_0) => unreachable!("checked above"),
+    match isa.0 {
+        Isa::Portable => std::array::from_fn(|r| portable(x[r], w)),
         // SAFETY (all three): `Supported` checked that the CPU has the features the
         // function enables (every `Isa` past `Portable` includes AVX2, FMA and F16C), and
         // the lengths were checked above.
         #[cfg(target_arch = "x86_64")]
-        (Isa::Avx2, Format::Q5_0) => unsafe { x86::q5_0_avx2(x, w) },
+        Isa::Avx2 => unsafe { x86::q5_0_avx2(x, w) },
         #[cfg(target_arch = "x86_64")]
-        (Isa::AvxVnni, Format::Q5_0) => unsafe { x86::q5_0_avxvnni(x, w) },
+        Isa::AvxVnni => unsafe { x86::q5_0_avxvnni(x, w) },
         #[cfg(target_arch = "x86_64")]
-        (Isa::Avx512Vnni, Format::Q5_0) => unsafe { x86::q5_0_vnni(x, w) },
+        Isa::Avx512Vnni => unsafe { x86::q5_0_vnni(x, w) },
         #[cfg(not(target_arch = "x86_64"))]
         _ => std::array::from_fn(|r| portable(x[r], w)),
     }

@@ -260,7 +260,7 @@ impl BlockMatrix {
                     let w = &self.blocks[r * rb..(r + 1) * rb];
                     if panels.is_empty() {
                         for (xs, os) in refs.chunks(4).zip(o.chunks_mut(4)) {
-                            group(isa, self.format, xs, w, os);
+                            q5_0_group(isa, xs, w, os);
                         }
                     } else {
                         for (p, os) in panels.iter().zip(o.chunks_mut(per_panel)) {
@@ -432,16 +432,16 @@ impl Columns {
     }
 }
 
-/// One weight row against up to four activation rows, into `out`.
-fn group(isa: Supported, format: Format, xs: &[&Activations], w: &[u8], out: &mut [f32]) {
+/// One Q5_0 weight row against up to four activation rows, into `out`.
+fn q5_0_group(isa: Supported, xs: &[&Activations], w: &[u8], out: &mut [f32]) {
     match *xs {
-        [a] => out.copy_from_slice(&weight_row(isa, format, [a], w)),
-        [a, b] => out.copy_from_slice(&weight_row(isa, format, [a, b], w)),
-        [a, b, c] => out.copy_from_slice(&weight_row(isa, format, [a, b, c], w)),
-        [a, b, c, d] => out.copy_from_slice(&weight_row(isa, format, [a, b, c, d], w)),
+        [a] => out.copy_from_slice(&weight_row(isa, [a], w)),
+        [a, b] => out.copy_from_slice(&weight_row(isa, [a, b], w)),
+        [a, b, c] => out.copy_from_slice(&weight_row(isa, [a, b, c], w)),
+        [a, b, c, d] => out.copy_from_slice(&weight_row(isa, [a, b, c, d], w)),
         _ => {
             for (x, o) in xs.iter().zip(out) {
-                *o = weight_row(isa, format, [*x], w)[0];
+                *o = weight_row(isa, [*x], w)[0];
             }
         }
     }
