@@ -312,9 +312,9 @@ mod x86 {
     }
 
     /// Prefetch the chunk `PREFETCH` bytes ahead of `at`, `bytes` long, every 64-byte
-    /// line of it: one line in four (as before 2026-12-07) sufficed on the Xeon, whose
-    /// hardware prefetchers fetch the neighbours, but on the AMD EPYC a one-row pass over
-    /// Gemma's LM head layout then ran 1.2-1.35x slower (a scratch loop of this kernel).
+    /// line of it (one line in four sufficed on the Xeon, whose hardware prefetchers
+    /// fetch the neighbours, but not on the AMD EPYC: results README, "On the AMD EPYC
+    /// after the interleaved kernels").
     #[inline(always)]
     unsafe fn prefetch(at: *const u8, bytes: usize) {
         for line in (0..bytes).step_by(64) {

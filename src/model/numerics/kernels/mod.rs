@@ -28,8 +28,8 @@ pub use blocks::{Activations, Format, QK};
 /// Bytes ahead of what they read that the integer kernels and the decode attention loops
 /// prefetch: on the Xeon here (model 207) the hardware prefetchers alone left a one-row
 /// pass over Gemma's blocks, and the decode attention's key stream, at about half the
-/// machine's read bandwidth (1 KiB and 2 KiB measured alike; on the AMD EPYC, in a scratch
-/// loop of the interleaved Q8_0 kernel, 1 KiB and 2 KiB alike, 512 B and 4 KiB slower).
+/// machine's read bandwidth (1 KiB and 2 KiB measured alike; the distance was not varied on
+/// the AMD EPYC).
 pub(crate) const PREFETCH_BYTES: usize = 1024;
 pub use isa::Isa;
 pub use matrix::BlockMatrix;
