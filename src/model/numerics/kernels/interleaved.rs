@@ -420,6 +420,29 @@ mod x86 {
         _mm256_add_epi32(acc, dot_avx2(u, s))
     }
 
+    /// AVX2's Q4_1 step: the pair sums of unsigned `u` (codes below 16) and signed `s`
+    /// bytes added to `acc`'s i16 lanes. A block adds eight pair sums to each lane, each
+    /// within `2 * 15 * 127`, so a lane stays within `30_480` and never wraps; the lanes
+    /// widen once per block ([`widen_avx2`]), not once per step as [`add_dot_avx2`] does.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn add_pairs_avx2(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
+        _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, s))
+    }
+
+    /// The i32 sums of adjacent i16 lanes: a Q4_1 block's sums after [`add_pairs_avx2`].
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn widen_avx2(acc: __m256i) -> __m256i {
+        _mm256_madd_epi16(acc, _mm256_set1_epi16(1))
+    }
+
+    /// AVX-VNNI's sums are i32 already.
+    #[inline]
+    fn widen_avxvnni(acc: __m256i) -> __m256i {
+        acc
+    }
+
     /// The same with one VEX-encoded `vpdpbusd` (AVX-VNNI).
     #[inline]
     #[target_feature(enable = "avxvnni")]
@@ -446,11 +469,14 @@ mod x86 {
     }
 
     /// The 256-bit kernels of one instruction set, eight weight rows per register (the
-    /// group's two halves in turn): Q4_1 given the set's accumulating dot product
-    /// `$add_dot`, Q8_0 given its Q8_0 step `$add_q8_0` and whether that step leaves the
-    /// excess to subtract.
+    /// group's two halves in turn): Q4_1 given the set's accumulating step `$add_dot` and
+    /// `$widen`, which turns a block's accumulated lanes into i32 sums, Q8_0 given its
+    /// Q8_0 step `$add_q8_0` and whether that step leaves the excess to subtract.
     macro_rules! narrow {
-        ($q4_1:ident, $q8_0:ident, $features:literal, $add_dot:ident, $add_q8_0:ident, $excess:literal) => {
+        (
+            $q4_1:ident, $q8_0:ident, $features:literal,
+            $add_dot:ident, $widen:ident, $add_q8_0:ident, $excess:literal
+        ) => {
             kernel!(
                 $q4_1, $features, Q4_1, 8,
                 (__m256, _mm256_setzero_ps, _mm256_setzero_si256, _mm256_storeu_ps),
@@ -476,7 +502,8 @@ mod x86 {
                     for r in 0..R {
                         let [dx, dx_sum] = x[r].scales[b];
                         let scale = _mm256_mul_ps(d, _mm256_set1_ps(dx));
-                        acc[r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(sums[r]), acc[r]);
+                        let sum = _mm256_cvtepi32_ps($widen(sums[r]));
+                        acc[r] = _mm256_fmadd_ps(scale, sum, acc[r]);
                         acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(dx_sum), acc[r]);
                     }
                 }
@@ -515,7 +542,8 @@ mod x86 {
         q4_1_avx2,
         q8_0_avx2,
         "avx2,fma,f16c",
-        add_dot_avx2,
+        add_pairs_avx2,
+        widen_avx2,
         add_q8_0_avx2,
         false
     );
@@ -524,6 +552,7 @@ mod x86 {
         q8_0_avxvnni,
         "avxvnni,avx2,fma,f16c",
         add_dot_avxvnni,
+        widen_avxvnni,
         add_q8_0_avxvnni,
         true
     );

@@ -533,6 +533,30 @@ mod tests {
     }
 
     #[test]
+    fn q4_1_sums_at_their_extremes_are_exact_on_every_instruction_set() {
+        // Every code 15 against activations that all quantize to 127 or all to -127: the
+        // largest integer sums a Q4_1 block can have (AVX2 holds them in i16 lanes).
+        let (rows, cols) = (16, 64);
+        let mut blocks = Vec::new();
+        for _ in 0..rows * cols / QK {
+            blocks.extend(half::f16::from_f32(1.0).to_le_bytes());
+            blocks.extend(half::f16::from_f32(0.0).to_le_bytes());
+            blocks.extend([0xFFu8; QK / 2]);
+        }
+        let m = BlockMatrix::from_blocks(Format::Q4_1, blocks, rows, cols).unwrap();
+        let x: Vec<f32> = [1.0f32, -1.0].iter().flat_map(|&v| vec![v; cols]).collect();
+        for isa in Isa::available() {
+            let y = m.quantized_product(&x, 2, isa);
+            // Each output is sum(15 * 127) * d_x over the row, d_x = 1 / 127.
+            let want = 15.0 * cols as f32;
+            for (i, v) in y.iter().enumerate() {
+                let sign = if i < rows { 1.0 } else { -1.0 };
+                assert!((v - sign * want).abs() < 1e-3, "{isa}: {i}: {v}");
+            }
+        }
+    }
+
+    #[test]
     fn tiled_products_are_the_same_on_every_pool_size() {
         // 1,536 columns: past 512, where gemm's blocking of the sums depends on the
         // tile's width; 576 rows: tiles that would shrink with more threads
