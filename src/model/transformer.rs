@@ -372,13 +372,14 @@ impl Model {
                 for rows in &kv {
                     let len = rows.len() / (2 * nkv * dh);
                     let (keys, values) = rows.split_at(rows.len() / 2);
-                    let heads: Vec<attention::KvRows> = (0..nkv)
+                    let heads: Vec<attention::StoredRows> = (0..nkv)
                         .map(|h| {
-                            attention::KvRows::contiguous(
+                            let rows = attention::KvRows::contiguous(
                                 &keys[h * len * dh..][..len * dh],
                                 &values[h * len * dh..][..len * dh],
                                 dh,
-                            )
+                            );
+                            attention::StoredRows::from(&rows)
                         })
                         .collect();
                     attention::decode_rows(&q, dh, &heads, &masks, false);
@@ -792,18 +793,18 @@ impl Model {
         let (new_k, new_v) = (kh.to_vec3::<f32>()?, vh.to_vec3::<f32>()?);
         let window = self.specs[layer].window;
         let held: (Tensor, Tensor);
-        let rows: Vec<attention::KvRows>;
+        let rows: Vec<attention::StoredRows>;
         let stored;
         let (kv, key_start) = if q_len == 1 {
             attention::store(cache, layer, start, &new_k, &new_v);
             stored = cache
-                .in_order(layer, start + 1)
+                .in_order_runs(layer, start + 1)
                 .ok_or(Error::Internal("a layer read in order"))?;
             rows = stored
                 .iter()
-                .map(|([k0, k1], [v0, v1])| attention::KvRows::parts([k0, k1], [v0, v1], dh))
+                .map(|&(keys, values)| attention::StoredRows::parts(keys, values, dh))
                 .collect();
-            let kv = attention::Kv::Rows(&rows);
+            let kv = attention::Kv::Stored(&rows);
             let key_start = (start + 1)
                 .checked_sub(kv.dims()?.1)
                 .ok_or(Error::Internal("a layer holds positions past its length"))?;

@@ -41,7 +41,7 @@ pub(crate) use batched::batched;
 pub(crate) use blocked::blocked;
 pub(crate) use ggml_plain::ggml_plain;
 pub(crate) use per_head::{per_head, store};
-pub(crate) use rows::{Kv, KvRows};
+pub(crate) use rows::{Kv, KvRows, StoredRows};
 pub(crate) use single_query::{decode_rows, single_query};
 pub(crate) use streaming::streaming;
 
@@ -169,8 +169,8 @@ mod tests {
         let kv: Vec<f32> = kv.to_vec1().unwrap();
         let keys = |h: usize| &kv[h * len * dh..][..len * dh];
         let values = |h: usize| &kv[(nkv + h) * len * dh..][..len * dh];
-        let heads: Vec<KvRows> = (0..nkv)
-            .map(|h| KvRows::contiguous(keys(h), values(h), dh))
+        let heads: Vec<StoredRows> = (0..nkv)
+            .map(|h| StoredRows::from(&KvRows::contiguous(keys(h), values(h), dh)))
             .collect();
         let bias: Vec<f32> = (0..len)
             .map(|j| if j % 7 == 0 { f32::NEG_INFINITY } else { 0.1 })
@@ -189,11 +189,11 @@ mod tests {
         // Rows in two parts (a shared prefix, then a head's own) give the same bits
         // wherever the split falls: inside a task's part of the keys or at its edge.
         for split in [0, 1, 64, 150, 299, 300] {
-            let heads: Vec<KvRows> = (0..nkv)
+            let heads: Vec<StoredRows> = (0..nkv)
                 .map(|h| {
                     let (k0, k1) = keys(h).split_at(split * dh);
                     let (v0, v1) = values(h).split_at(split * dh);
-                    KvRows::parts([k0, k1], [v0, v1], dh)
+                    StoredRows::from(&KvRows::parts([k0, k1], [v0, v1], dh))
                 })
                 .collect();
             let (o, p) = decode_rows(&q, dh, &heads, &masks, true);
@@ -202,6 +202,77 @@ mod tests {
                 "split {split}, d_head {dh}"
             );
             assert_eq!(p, probs, "split {split}, d_head {dh}");
+        }
+    }
+
+    #[test]
+    fn f16_and_8_bit_rows_read_in_place_give_the_bits_of_the_rows_decoded_first() {
+        // A decode step over a store's f16 or q8_0 rows, decoded a chunk at a time as it
+        // reads them, against the same rows decoded to f32 whole beforehand (as the
+        // other attention paths read them), on every instruction set; the rows in two
+        // parts (a shared prefix of 37 rows, then the head's own), so that a chunk
+        // straddles the parts.
+        use crate::model::cache::rows::Rows;
+        use crate::model::RowFormat;
+        let (nh, nkv, len) = (6, 2, 300);
+        for dh in [64, 256] {
+            let randn = |n: usize| -> Vec<f32> {
+                let t = Tensor::randn(0f32, 1.0, (n,), &Device::Cpu).unwrap();
+                t.to_vec1().unwrap()
+            };
+            let (q, kv) = (randn(nh * dh), randn(2 * nkv * len * dh));
+            let bias: Vec<f32> = (0..len).map(|j| (j % 5) as f32 * -0.5).collect();
+            let masks: Vec<Option<&[f32]>> =
+                (0..nh).map(|h| (h == 1).then_some(&bias[..])).collect();
+            for format in [RowFormat::F16, RowFormat::Q8_0] {
+                let stores: Vec<(Rows, Rows)> = (0..nkv)
+                    .map(|h| {
+                        let mut k = Rows::new(format, dh, len);
+                        let mut v = Rows::new(format, dh, len);
+                        for j in 0..len {
+                            if j == 37 {
+                                k.share();
+                                v.share();
+                            }
+                            k.push(&kv[(h * len + j) * dh..][..dh]);
+                            v.push(&kv[((nkv + h) * len + j) * dh..][..dh]);
+                        }
+                        (k, v)
+                    })
+                    .collect();
+                let in_place: Vec<StoredRows> = stores
+                    .iter()
+                    .map(|(k, v)| StoredRows::parts(k.runs(), v.runs(), dh))
+                    .collect();
+                let decoded: Vec<(Vec<f32>, Vec<f32>)> = stores
+                    .iter()
+                    .map(|(k, v)| (k.as_f32().concat(), v.as_f32().concat()))
+                    .collect();
+                let f32_rows: Vec<KvRows> = decoded
+                    .iter()
+                    .map(|(k, v)| KvRows::contiguous(k, v, dh))
+                    .collect();
+                let f32_rows: Vec<StoredRows> = f32_rows.iter().map(StoredRows::from).collect();
+                for isa in Isa::available() {
+                    let (want, want_p) = decode_rows_on(isa, &q, dh, &f32_rows, &masks, true);
+                    let (got, got_p) = decode_rows_on(isa, &q, dh, &in_place, &masks, true);
+                    assert!(
+                        got.iter()
+                            .zip(&want)
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{isa}, {format:?}, d_head {dh}"
+                    );
+                    assert_eq!(got_p, want_p, "{isa}, {format:?}, d_head {dh}");
+                }
+                // The other paths read the same rows decoded whole.
+                let (kt, vt) = Kv::Stored(&in_place).tensors(dh).unwrap();
+                let flat = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                let (kw, vw): (Vec<f32>, Vec<f32>) = (
+                    decoded.iter().flat_map(|(k, _)| k.clone()).collect(),
+                    decoded.iter().flat_map(|(_, v)| v.clone()).collect(),
+                );
+                assert_eq!((flat(&kt), flat(&vt)), (kw, vw), "{format:?}, d_head {dh}");
+            }
         }
     }
 
@@ -337,7 +408,8 @@ mod tests {
                 KvRows::parts([k0, k1], [v0, v1], dh)
             })
             .collect();
-        let rows = Kv::Rows(&heads);
+        let stored: Vec<StoredRows> = heads.iter().map(StoredRows::from).collect();
+        let rows = Kv::Stored(&stored);
         let (kt, vt) = rows.tensors(dh).unwrap();
         assert_eq!(max_diff(&kt, &k) + max_diff(&vt, &v), 0.0);
         let paths = [

@@ -12,7 +12,7 @@
 use candle_core::{Device, Tensor};
 use rayon::prelude::*;
 
-use crate::model::attention::{batched, blocked, decode_rows, KvRows};
+use crate::model::attention::{batched, blocked, decode_rows, KvRows, StoredRows};
 use crate::model::cache::store::{Parts, Retention};
 use crate::model::{HeadCache, TopK};
 use crate::Result;
@@ -43,15 +43,37 @@ pub(crate) fn per_head(
         store(cache, layer, start, &new_k, &new_v);
         let len = start + 1;
         let (stores, active) = cache.layer(layer);
-        let reads: Vec<(Parts, Parts)> = stores
-            .par_iter()
-            .zip(active)
-            .map(|(s, &a)| s.parts(len, a))
-            .collect();
+        // Read in place unless a top-k bias scores the keys first or a tiered head
+        // reads its cold tier (rows of two encodings): then decoded to f32.
+        let in_place: Option<Vec<_>> = (0..nh)
+            .all(|h| cache.topk(layer, h).is_none())
+            .then(|| {
+                stores
+                    .iter()
+                    .zip(active)
+                    .map(|(s, &a)| s.runs(len, a))
+                    .collect()
+            })
+            .flatten();
+        let reads: Vec<(Parts, Parts)> = match in_place {
+            Some(_) => Vec::new(),
+            None => stores
+                .par_iter()
+                .zip(active)
+                .map(|(s, &a)| s.parts(len, a))
+                .collect(),
+        };
         let rows: Vec<KvRows> = reads
             .iter()
             .map(|([k0, k1], [v0, v1])| KvRows::parts([k0, k1], [v0, v1], dh))
             .collect();
+        let stored: Vec<StoredRows> = match &in_place {
+            Some(runs) => runs
+                .iter()
+                .map(|&(k, v)| StoredRows::parts(k, v, dh))
+                .collect(),
+            None => rows.iter().map(StoredRows::from).collect(),
+        };
         let q: Vec<f32> = queries.flatten_all()?.to_vec1()?;
         let masks: Vec<Option<Vec<f32>>> = (0..nh)
             .map(|h| {
@@ -63,7 +85,7 @@ pub(crate) fn per_head(
             })
             .collect();
         let masks: Vec<Option<&[f32]>> = masks.iter().map(|m| m.as_deref()).collect();
-        let (out, probs) = decode_rows(&q, dh, &rows, &masks, want_probs);
+        let (out, probs) = decode_rows(&q, dh, &stored, &masks, want_probs);
         let probs = match probs {
             // Each head's weights over its rows, placed at the rows' positions.
             Some(per_row) => {

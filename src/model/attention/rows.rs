@@ -1,9 +1,13 @@
 //! The operands of one attention call borrowed as rows, shared by the loop kernels:
 //! each KV head's keys and values as [`KvRows`], read in place from a cache's stores or
-//! from `(n_kv_heads, kv_len, d_head)` tensors ([`Kv`]).
+//! from `(n_kv_heads, kv_len, d_head)` tensors ([`Kv`]), or as [`StoredRows`] in the
+//! store's own encoding (a decode step decodes a few rows at a time).
+
+use std::ops::Range;
 
 use candle_core::{Device, Storage, Tensor};
 
+use crate::model::cache::rows::Run;
 use crate::{Error, Result};
 
 /// One KV head's stored rows: `len` key rows and `len` value rows of
@@ -43,11 +47,6 @@ impl<'a> KvRows<'a> {
         }
     }
 
-    /// Rows held.
-    pub(crate) fn len(&self) -> usize {
-        self.len
-    }
-
     /// Key row `j` (`dh` floats).
     #[inline(always)]
     pub(crate) fn key(&self, j: usize, dh: usize) -> &'a [f32] {
@@ -70,6 +69,99 @@ impl<'a> KvRows<'a> {
     }
 }
 
+/// One KV head's rows as its store holds them (f32, f16 or 8-bit [`Run`]s), in two
+/// parts like [`KvRows`]: what a decode step reads in place, a few rows at a time
+/// ([`StoredRows::keys`], [`StoredRows::values`]), decoding only those not stored as f32.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct StoredRows<'a> {
+    keys: [Run<'a>; 2],
+    values: [Run<'a>; 2],
+    /// Rows in the first part.
+    split: usize,
+    len: usize,
+}
+
+impl<'a> StoredRows<'a> {
+    /// Rows in two parts each, keys and values split alike.
+    ///
+    /// Panics if keys and values split differently.
+    pub(crate) fn parts(keys: [Run<'a>; 2], values: [Run<'a>; 2], d_head: usize) -> Self {
+        let rows = |p: &[Run; 2]| [p[0].rows(d_head), p[1].rows(d_head)];
+        assert_eq!(rows(&keys), rows(&values), "keys and values split alike");
+        let [split, rest] = rows(&keys);
+        Self {
+            keys,
+            values,
+            split,
+            len: split + rest,
+        }
+    }
+
+    /// Rows held.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Key rows `range` (`range.len() * dh` floats): borrowed where they lie in one part
+    /// stored as f32, else decoded (or copied) into `scratch`.
+    #[inline]
+    pub(crate) fn keys<'s>(
+        &'s self,
+        range: Range<usize>,
+        dh: usize,
+        scratch: &'s mut Vec<f32>,
+    ) -> &'s [f32] {
+        Self::rows(&self.keys, self.split, range, dh, scratch)
+    }
+
+    /// Value rows `range`, as [`StoredRows::keys`].
+    #[inline]
+    pub(crate) fn values<'s>(
+        &'s self,
+        range: Range<usize>,
+        dh: usize,
+        scratch: &'s mut Vec<f32>,
+    ) -> &'s [f32] {
+        Self::rows(&self.values, self.split, range, dh, scratch)
+    }
+
+    fn rows<'s>(
+        parts: &'s [Run<'a>; 2],
+        split: usize,
+        range: Range<usize>,
+        dh: usize,
+        scratch: &'s mut Vec<f32>,
+    ) -> &'s [f32] {
+        let first = range.start.min(split)..range.end.min(split);
+        let second = range.start.max(split) - split..range.end.max(split) - split;
+        let whole = match (first.is_empty(), second.is_empty()) {
+            (false, true) => Some((parts[0], first.clone())),
+            (true, _) => Some((parts[1], second.clone())),
+            (false, false) => None,
+        };
+        if let Some((f32_rows, r)) = whole.and_then(|(p, r)| Some((p.as_f32()?, r))) {
+            return &f32_rows[r.start * dh..r.end * dh];
+        }
+        scratch.clear();
+        scratch.resize(range.len() * dh, 0.0);
+        let at = first.len() * dh;
+        parts[0].read(dh, first, &mut scratch[..at]);
+        parts[1].read(dh, second, &mut scratch[at..]);
+        scratch
+    }
+}
+
+impl<'a> From<&KvRows<'a>> for StoredRows<'a> {
+    fn from(rows: &KvRows<'a>) -> Self {
+        Self {
+            keys: rows.keys.map(Run::F32),
+            values: rows.values.map(Run::F32),
+            split: rows.split,
+            len: rows.len,
+        }
+    }
+}
+
 /// The keys and values of one attention call, as the caller holds them: tensors
 /// `(n_kv_heads, kv_len, d_head)` (last dim contiguous), or each KV head's rows in place
 /// (a cache's stores, every head the same number of rows). The loop kernels read rows,
@@ -81,7 +173,10 @@ pub(crate) enum Kv<'a> {
         keys: &'a Tensor,
         values: &'a Tensor,
     },
-    Rows(&'a [KvRows<'a>]),
+    /// Each KV head's rows as its store holds them (every head the same number): the
+    /// decode step reads them in place, every other path as f32 (decoded where stored
+    /// otherwise).
+    Stored(&'a [StoredRows<'a>]),
 }
 
 impl Kv<'_> {
@@ -92,8 +187,8 @@ impl Kv<'_> {
                 let (nkv, kv_len, _) = keys.dims3()?;
                 Ok((nkv, kv_len))
             }
-            Kv::Rows(heads) => {
-                let kv_len = heads.first().map_or(0, KvRows::len);
+            Kv::Stored(heads) => {
+                let kv_len = heads.first().map_or(0, StoredRows::len);
                 if heads.iter().any(|h| h.len() != kv_len) {
                     return Err(Error::invalid(
                         "attention",
@@ -112,7 +207,7 @@ impl Kv<'_> {
         f: impl FnOnce(&[KvRows]) -> Result<R>,
     ) -> Result<R> {
         let (keys, values) = match self {
-            Kv::Rows(heads) => return f(heads),
+            Kv::Stored(heads) => return Self::with_stored_rows(heads, dh, f),
             Kv::Tensors { keys, values } => (keys, values),
         };
         let (nkv, kv_len) = self.dims()?;
@@ -135,23 +230,58 @@ impl Kv<'_> {
         })
     }
 
+    /// Stored rows as f32 [`KvRows`]: borrowed where every part is f32, else decoded.
+    fn with_stored_rows<R>(
+        heads: &[StoredRows],
+        dh: usize,
+        f: impl FnOnce(&[KvRows]) -> Result<R>,
+    ) -> Result<R> {
+        let in_place: Option<Vec<KvRows>> = heads
+            .iter()
+            .map(|h| {
+                fn f32s<'b>(p: &[Run<'b>; 2]) -> Option<[&'b [f32]; 2]> {
+                    Some([p[0].as_f32()?, p[1].as_f32()?])
+                }
+                Some(KvRows::parts(f32s(&h.keys)?, f32s(&h.values)?, dh))
+            })
+            .collect();
+        if let Some(rows) = in_place {
+            return f(&rows);
+        }
+        let decoded: Vec<(Vec<f32>, Vec<f32>)> = heads
+            .iter()
+            .map(|h| {
+                let mut scratch = Vec::new();
+                let k = h.keys(0..h.len, dh, &mut scratch).to_vec();
+                let v = h.values(0..h.len, dh, &mut scratch).to_vec();
+                (k, v)
+            })
+            .collect();
+        let rows: Vec<KvRows> = decoded
+            .iter()
+            .map(|(k, v)| KvRows::contiguous(k, v, dh))
+            .collect();
+        f(&rows)
+    }
+
     /// Keys and values as tensors `(n_kv_heads, kv_len, d_head)` (rows copied).
     pub(crate) fn tensors(&self, dh: usize) -> Result<(Tensor, Tensor)> {
-        let heads = match self {
-            Kv::Tensors { keys, values } => return Ok(((*keys).clone(), (*values).clone())),
-            Kv::Rows(heads) => heads,
-        };
+        if let Kv::Tensors { keys, values } = self {
+            return Ok(((*keys).clone(), (*values).clone()));
+        }
         let (nkv, kv_len) = self.dims()?;
-        let gather = |keys: bool| -> Result<Tensor> {
-            let mut all = Vec::with_capacity(nkv * kv_len * dh);
-            for h in heads.iter() {
-                for j in 0..kv_len {
-                    all.extend_from_slice(if keys { h.key(j, dh) } else { h.value(j, dh) });
+        self.with_rows(dh, |heads| {
+            let gather = |keys: bool| -> Result<Tensor> {
+                let mut all = Vec::with_capacity(nkv * kv_len * dh);
+                for h in heads.iter() {
+                    for j in 0..kv_len {
+                        all.extend_from_slice(if keys { h.key(j, dh) } else { h.value(j, dh) });
+                    }
                 }
-            }
-            Ok(Tensor::from_vec(all, (nkv, kv_len, dh), &Device::Cpu)?)
-        };
-        Ok((gather(true)?, gather(false)?))
+                Ok(Tensor::from_vec(all, (nkv, kv_len, dh), &Device::Cpu)?)
+            };
+            Ok((gather(true)?, gather(false)?))
+        })
     }
 }
 

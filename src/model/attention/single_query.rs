@@ -5,12 +5,10 @@
 //! compiled for the widest one the CPU runs and chosen at run time ([`Isa`]), with the
 //! same floats on each.
 
-use std::ops::Range;
-
 use candle_core::{Device, Tensor};
 use rayon::prelude::*;
 
-use super::rows::{mask_values, with_data, Kv, KvRows, Shapes};
+use super::rows::{mask_values, with_data, Kv, Shapes, StoredRows};
 use crate::model::numerics::fast_exp;
 use crate::model::numerics::kernels::Isa;
 use crate::model::numerics::PARTITION_THREADS;
@@ -32,20 +30,15 @@ trait Lanes {
     /// The CPU runs the implementation's instruction set.
     unsafe fn dot(a: &[f32], b: &[f32]) -> f32;
 
-    /// For each query head `g` of a group, `accs[g] += w[g][i] * value(keys[i])` over the
-    /// keys in order, skipping zero weights, lane by lane (a multiply, then an add):
-    /// `accs` `(group, d_head)`, `w` `(group, keys)`.
+    /// For each query head `g` of a group, `accs[g] += w[g * stride + i] * values[i]`
+    /// over the value rows in order, skipping zero weights, lane by lane (a multiply,
+    /// then an add): `accs` `(group, d_head)`, `values` `(rows, d_head)`. Rows summed in
+    /// several calls give the floats of one call over them all.
     ///
     /// # Safety
     ///
     /// The CPU runs the implementation's instruction set.
-    unsafe fn weighted_sum(
-        accs: &mut [f32],
-        w: &[f32],
-        rows: &KvRows,
-        keys: Range<usize>,
-        dh: usize,
-    );
+    unsafe fn weighted_sum(accs: &mut [f32], w: &[f32], stride: usize, values: &[f32], dh: usize);
 }
 
 /// The portable loop (the compiler vectorises it as it can).
@@ -58,19 +51,11 @@ impl Lanes for Portable {
     }
 
     #[inline(always)]
-    unsafe fn weighted_sum(
-        accs: &mut [f32],
-        w: &[f32],
-        rows: &KvRows,
-        keys: Range<usize>,
-        dh: usize,
-    ) {
-        let n = keys.len();
-        for (i, j) in keys.enumerate() {
-            let v = rows.value(j, dh);
+    unsafe fn weighted_sum(accs: &mut [f32], w: &[f32], stride: usize, values: &[f32], dh: usize) {
+        for (i, v) in values.chunks_exact(dh).enumerate() {
             prefetch(v);
             for (g, acc) in accs.chunks_exact_mut(dh).enumerate() {
-                let p = w[g * n + i];
+                let p = w[g * stride + i];
                 if p != 0.0 {
                     acc.iter_mut().zip(v).for_each(|(a, x)| *a += p * x);
                 }
@@ -113,9 +98,8 @@ mod x86 {
     //! profile of a batched decode step: a quarter of its time in those scores).
 
     use std::arch::x86_64::*;
-    use std::ops::Range;
 
-    use super::{prefetch, run_task, tail, KvRows, Lanes, Portable, Step, Task, LANES};
+    use super::{prefetch, run_task, tail, Lanes, Portable, Step, Task, LANES};
 
     /// Lanes 0-7 of the accumulators halved down to lane 0, then the remainder added.
     #[inline(always)]
@@ -166,22 +150,21 @@ mod x86 {
             unsafe fn weighted_sum(
                 accs: &mut [f32],
                 wts: &[f32],
-                rows: &KvRows,
-                keys: Range<usize>,
+                stride: usize,
+                values: &[f32],
                 dh: usize,
             ) {
                 #[inline(always)]
                 unsafe fn heads<const G: usize>(
                     accs: &mut [f32],
                     wts: &[f32],
-                    rows: &KvRows,
-                    keys: Range<usize>,
+                    stride: usize,
+                    values: &[f32],
                     dh: usize,
                 ) {
                     // SAFETY (the pointer arithmetic): `accs` holds `G` rows of `dh`
                     // floats, each value row `dh`, and every run `c..c + $w * $n` lies
                     // within `dh` (checked below: `dh` is a multiple of the run).
-                    let n = keys.len();
                     for c in (0..dh).step_by($w * $n) {
                         let mut sums: [[$t; $n]; G] = [[$zero(); $n]; G];
                         for (g, sums) in sums.iter_mut().enumerate() {
@@ -190,15 +173,14 @@ mod x86 {
                                 *sum = $load(at.add(k * $w));
                             }
                         }
-                        for (i, j) in keys.clone().enumerate() {
-                            let v = rows.value(j, dh);
+                        for (i, v) in values.chunks_exact(dh).enumerate() {
                             if c == 0 {
                                 prefetch(v);
                             }
                             let v = v.as_ptr().add(c);
                             let vs: [$t; $n] = std::array::from_fn(|k| $load(v.add(k * $w)));
                             for (g, sums) in sums.iter_mut().enumerate() {
-                                let p = wts[g * n + i];
+                                let p = wts[g * stride + i];
                                 if p != 0.0 {
                                     let p = $splat(p);
                                     for (sum, v) in sums.iter_mut().zip(&vs) {
@@ -216,14 +198,14 @@ mod x86 {
                     }
                 }
                 if dh % ($w * $n) != 0 {
-                    return Portable::weighted_sum(accs, wts, rows, keys, dh);
+                    return Portable::weighted_sum(accs, wts, stride, values, dh);
                 }
                 match accs.len() / dh {
-                    1 => heads::<1>(accs, wts, rows, keys, dh),
-                    2 => heads::<2>(accs, wts, rows, keys, dh),
-                    3 => heads::<3>(accs, wts, rows, keys, dh),
-                    4 => heads::<4>(accs, wts, rows, keys, dh),
-                    _ => Portable::weighted_sum(accs, wts, rows, keys, dh),
+                    1 => heads::<1>(accs, wts, stride, values, dh),
+                    2 => heads::<2>(accs, wts, stride, values, dh),
+                    3 => heads::<3>(accs, wts, stride, values, dh),
+                    4 => heads::<4>(accs, wts, stride, values, dh),
+                    _ => Portable::weighted_sum(accs, wts, stride, values, dh),
                 }
             }
         };
@@ -311,6 +293,10 @@ fn run_task_on(isa: Isa, task: &mut Task, step: &Step) {
     unsafe { run_task::<Portable>(task, step) }
 }
 
+/// Floats of key or value rows a task reads per chunk (16 KiB: in the first-level cache
+/// with the rows decoded from f16 or 8 bits).
+const CHUNK_FLOATS: usize = 4096;
+
 /// Fewest keys in one part of the single-query path: below this, splitting the keys
 /// costs more than it balances.
 const MIN_PART: usize = 64;
@@ -331,8 +317,13 @@ pub(crate) fn single_query(
         .map(|h| mask.as_ref().map(|m| &m[h * kv_len..(h + 1) * kv_len]))
         .collect();
     let (out, probs) = with_data(&q, |qd, _| {
+        let q = &qd[..nh * dh];
+        if let Kv::Stored(heads) = kv {
+            return Ok(decode_rows(q, dh, heads, &masks, want_probs));
+        }
         kv.with_rows(dh, |heads| {
-            Ok(decode_rows(&qd[..nh * dh], dh, heads, &masks, want_probs))
+            let heads: Vec<StoredRows> = heads.iter().map(StoredRows::from).collect();
+            Ok(decode_rows(q, dh, &heads, &masks, want_probs))
         })
     })?;
     let out = Tensor::from_vec(out, (nh, 1, dh), &Device::Cpu)?;
@@ -358,7 +349,7 @@ struct Task {
 pub(crate) fn decode_rows(
     q: &[f32],
     dh: usize,
-    heads: &[KvRows],
+    heads: &[StoredRows],
     masks: &[Option<&[f32]>],
     want_probs: bool,
 ) -> (Vec<f32>, Option<Vec<Vec<f32>>>) {
@@ -380,7 +371,7 @@ pub(super) fn decode_rows_on(
     isa: Isa,
     q: &[f32],
     dh: usize,
-    heads: &[KvRows],
+    heads: &[StoredRows],
     masks: &[Option<&[f32]>],
     want_probs: bool,
 ) -> (Vec<f32>, Option<Vec<Vec<f32>>>) {
@@ -479,7 +470,7 @@ struct Step<'a> {
     dh: usize,
     group: usize,
     scale: f32,
-    heads: &'a [KvRows<'a>],
+    heads: &'a [StoredRows<'a>],
     masks: &'a [Option<&'a [f32]>],
 }
 
@@ -502,12 +493,20 @@ unsafe fn run_task<L: Lanes>(task: &mut Task, step: &Step) {
     let rows = &heads[task.kv_head];
     let n = task.keys.len();
     let w = &mut task.weights;
-    for (i, j) in task.keys.clone().enumerate() {
-        let k = rows.key(j, dh);
-        prefetch(k);
-        for g in 0..group {
-            let h = task.kv_head * group + g;
-            w[g * n + i] = L::dot(&q[h * dh..(h + 1) * dh], k) * scale;
+    // The keys, then the values, a chunk of rows at a time: borrowed where stored as
+    // f32, else decoded into `scratch` while it stays in cache.
+    let chunk = (CHUNK_FLOATS / dh).max(1);
+    let chunks = || (0..n).step_by(chunk).map(move |c| c..(c + chunk).min(n));
+    let at = |r: &std::ops::Range<usize>| task.keys.start + r.start..task.keys.start + r.end;
+    let mut scratch = Vec::new();
+    for c in chunks() {
+        let keys = rows.keys(at(&c), dh, &mut scratch);
+        for (i, k) in c.zip(keys.chunks_exact(dh)) {
+            prefetch(k);
+            for g in 0..group {
+                let h = task.kv_head * group + g;
+                w[g * n + i] = L::dot(&q[h * dh..(h + 1) * dh], k) * scale;
+            }
         }
     }
     for (g, st) in task.stats.iter_mut().enumerate() {
@@ -524,7 +523,10 @@ unsafe fn run_task<L: Lanes>(task: &mut Task, step: &Step) {
             fast_exp::exp_shifted(row, st.max)
         };
     }
-    L::weighted_sum(&mut task.accs, w, rows, task.keys.clone(), dh);
+    for c in chunks() {
+        let values = rows.values(at(&c), dh, &mut scratch);
+        L::weighted_sum(&mut task.accs, &w[c.start..], n, values, dh);
+    }
 }
 
 /// Ask for the cache lines

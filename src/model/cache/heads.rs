@@ -13,7 +13,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::model::cache::rows::RowFormat;
-use crate::model::cache::store::{HeadStore, KvBytes, Parts, Readable, Retention};
+use crate::model::cache::store::{HeadStore, KvBytes, Parts, Readable, Retention, Runs};
 use crate::model::Config;
 use crate::{Error, Result};
 
@@ -332,6 +332,20 @@ impl HeadCache {
         stores
             .iter()
             .map(|s| s.in_order(len, self.windows[layer]))
+            .collect()
+    }
+
+    /// [`HeadCache::in_order`] as the stored runs themselves (f32, f16 or 8-bit rows),
+    /// nothing decoded: what a decode step reads in place.
+    pub(crate) fn in_order_runs(
+        &self,
+        layer: usize,
+        len: usize,
+    ) -> Option<Vec<(Runs<'_>, Runs<'_>)>> {
+        let (stores, _) = self.layer(layer);
+        stores
+            .iter()
+            .map(|s| s.in_order_runs(len, self.windows[layer]))
             .collect()
     }
 

@@ -1,6 +1,8 @@
 //! Rows of keys or values in one encoding ([`RowFormat`]): what a per-head store holds
 //! in memory, for its hot rows and for a tiered head's cold tier. f32 rows are read in
-//! place; f16 and 8-bit rows are decoded to f32 when a query reads them.
+//! place; f16 and 8-bit rows are decoded to f32 when a query reads them: a decode step
+//! a few rows at a time as it goes (`Run`), a prefill or a tiered head's cold tier
+//! whole.
 //!
 //! The 8-bit encoding is llama.cpp's `q8_0` (its `-ctk q8_0 -ctv q8_0` KV cache): blocks
 //! of [`Q8_BLOCK`] values, each with one f16 scale `d = absmax / 127` and the values
@@ -140,21 +142,9 @@ impl Data {
 
     /// Append rows `range` as f32 to `out`.
     fn read(&self, d: usize, range: std::ops::Range<usize>, out: &mut Vec<f32>) {
-        match self {
-            Data::F32(v) => out.extend_from_slice(&v[range.start * d..range.end * d]),
-            Data::F16(v) => {
-                out.extend(v[range.start * d..range.end * d].iter().map(|x| x.to_f32()))
-            }
-            Data::Q8 { q, d: scales } => {
-                let blocks = d.div_ceil(Q8_BLOCK);
-                for r in range {
-                    for (b, block) in q[r * d..(r + 1) * d].chunks(Q8_BLOCK).enumerate() {
-                        let s = scales[r * blocks + b].to_f32();
-                        out.extend(block.iter().map(|&x| x as f32 * s));
-                    }
-                }
-            }
-        }
+        let at = out.len();
+        out.resize(at + range.len() * d, 0.0);
+        Run::of(self).read(d, range, &mut out[at..]);
     }
 
     /// Bytes allocated.
@@ -163,6 +153,95 @@ impl Data {
             Data::F32(v) => v.capacity() * 4,
             Data::F16(v) => v.capacity() * 2,
             Data::Q8 { q, d } => q.capacity() + d.capacity() * 2,
+        }
+    }
+}
+
+/// Rows of `d` values in one run as a store holds them, borrowed: what a decode step
+/// reads in place, a few rows at a time decoded to f32 ([`Run::read`]) where they are
+/// not f32 already.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Run<'a> {
+    F32(&'a [f32]),
+    F16(&'a [f16]),
+    /// `q`: the values, row-major; `scales`: one per block, row-major.
+    Q8 {
+        q: &'a [i8],
+        scales: &'a [f16],
+    },
+}
+
+impl<'a> Run<'a> {
+    /// No rows.
+    pub(crate) const EMPTY: Run<'static> = Run::F32(&[]);
+
+    fn of(data: &'a Data) -> Self {
+        match data {
+            Data::F32(v) => Run::F32(v),
+            Data::F16(v) => Run::F16(v),
+            Data::Q8 { q, d } => Run::Q8 { q, scales: d },
+        }
+    }
+
+    /// Rows of `d` values held.
+    pub(crate) fn rows(&self, d: usize) -> usize {
+        match self {
+            Run::F32(v) => v.len() / d,
+            Run::F16(v) => v.len() / d,
+            Run::Q8 { q, .. } => q.len() / d,
+        }
+    }
+
+    /// The rows themselves where they are stored as f32.
+    pub(crate) fn as_f32(&self) -> Option<&'a [f32]> {
+        match *self {
+            Run::F32(v) => Some(v),
+            _ => None,
+        }
+    }
+
+    /// Rows `..r` and `r..` (rows of `d` values).
+    pub(crate) fn split_at(self, r: usize, d: usize) -> (Self, Self) {
+        let blocks = d.div_ceil(Q8_BLOCK);
+        match self {
+            Run::F32(v) => {
+                let (a, b) = v.split_at(r * d);
+                (Run::F32(a), Run::F32(b))
+            }
+            Run::F16(v) => {
+                let (a, b) = v.split_at(r * d);
+                (Run::F16(a), Run::F16(b))
+            }
+            Run::Q8 { q, scales } => {
+                let ((qa, qb), (sa, sb)) = (q.split_at(r * d), scales.split_at(r * blocks));
+                (Run::Q8 { q: qa, scales: sa }, Run::Q8 { q: qb, scales: sb })
+            }
+        }
+    }
+
+    /// Rows `range` (rows of `d` values) as f32 into `out` (`range.len() * d` floats):
+    /// f16 widened, 8-bit values times their block's scale.
+    pub(crate) fn read(&self, d: usize, range: std::ops::Range<usize>, out: &mut [f32]) {
+        let values = range.start * d..range.end * d;
+        match self {
+            Run::F32(v) => out.copy_from_slice(&v[values]),
+            Run::F16(v) => {
+                use half::slice::HalfFloatSliceExt;
+                v[values].convert_to_f32_slice(out)
+            }
+            Run::Q8 { q, scales } => {
+                let blocks = d.div_ceil(Q8_BLOCK);
+                for (i, r) in range.enumerate() {
+                    let row = q[r * d..(r + 1) * d].chunks(Q8_BLOCK);
+                    let dst = out[i * d..(i + 1) * d].chunks_mut(Q8_BLOCK);
+                    for (b, (block, dst)) in row.zip(dst).enumerate() {
+                        let s = scales[r * blocks + b].to_f32();
+                        dst.iter_mut()
+                            .zip(block)
+                            .for_each(|(o, &x)| *o = x as f32 * s);
+                    }
+                }
+            }
         }
     }
 }
@@ -366,6 +445,14 @@ impl Rows {
                 [Cow::Owned(out), Cow::Borrowed(&[])]
             }
         }
+    }
+
+    /// Every row in place, in two runs: the shared rows, then the own ones.
+    pub(crate) fn runs(&self) -> [Run<'_>; 2] {
+        [
+            self.shared.as_deref().map_or(Run::EMPTY, Run::of),
+            Run::of(&self.data),
+        ]
     }
 
     /// Rows `rows` (in that order), in the same format, with room for `room` more: all

@@ -23,7 +23,7 @@ use std::borrow::Cow;
 
 use serde::{Deserialize, Serialize};
 
-use crate::model::cache::rows::{RowFormat, Rows};
+use crate::model::cache::rows::{RowFormat, Rows, Run};
 use crate::{Error, Result};
 
 /// How one KV head keeps its history.
@@ -81,6 +81,10 @@ pub type Readable<'a> = (Cow<'a, [f32]>, Cow<'a, [f32]>);
 /// caches (a prompt prefix, [`HeadStore::share`]) and the store's own, or a ring's two
 /// halves oldest first ([`HeadStore::in_order`]); each borrowed where stored as f32.
 pub(crate) type Parts<'a> = [Cow<'a, [f32]>; 2];
+
+/// Keys or values `(rows, d)` in two runs as the store holds them (f32, f16 or 8-bit),
+/// one after the other like [`Parts`]; nothing decoded.
+pub(crate) type Runs<'a> = [Run<'a>; 2];
 
 /// `parts` as one run of rows (borrowed when one part is empty).
 fn joined(parts: Parts<'_>) -> Cow<'_, [f32]> {
@@ -295,6 +299,41 @@ impl HeadStore {
         Some((
             turned(self.keys.as_f32(), oldest),
             turned(self.values.as_f32(), oldest),
+        ))
+    }
+
+    /// [`HeadStore::parts`] as the stored runs themselves, nothing decoded; `None` where
+    /// an active tiered head reads its cold middle (rows of two formats).
+    pub(crate) fn runs(&self, len: usize, active: bool) -> Option<(Runs<'_>, Runs<'_>)> {
+        self.cold_middle(len, active)
+            .is_empty()
+            .then(|| (self.keys.runs(), self.values.runs()))
+    }
+
+    /// [`HeadStore::in_order`] as the stored runs themselves, nothing decoded.
+    pub(crate) fn in_order_runs(
+        &self,
+        len: usize,
+        window: Option<usize>,
+    ) -> Option<(Runs<'_>, Runs<'_>)> {
+        if !self.holds_in_order(window) {
+            return None;
+        }
+        let Some((_, w)) = self.ring() else {
+            return Some((self.keys.runs(), self.values.runs()));
+        };
+        // As in `in_order`: the oldest position held sits in slot `(len - rows) % w`.
+        let oldest = (len - self.rows()) % w;
+        let d = self.keys.d();
+        // `share` leaves a ring's rows alone: they are all its own (`None` otherwise).
+        fn turn(runs: Runs<'_>, oldest: usize, d: usize) -> Option<Runs<'_>> {
+            let [shared, own] = runs;
+            let (newer, older) = own.split_at(oldest, d);
+            (shared.rows(d) == 0).then_some([older, newer])
+        }
+        Some((
+            turn(self.keys.runs(), oldest, d)?,
+            turn(self.values.runs(), oldest, d)?,
         ))
     }
 
