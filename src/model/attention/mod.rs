@@ -31,7 +31,6 @@
 
 mod batched;
 mod blocked;
-mod encoded;
 mod ggml_plain;
 mod per_head;
 mod rows;
@@ -149,7 +148,7 @@ mod tests {
             let a: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
             let b: Vec<f32> = (0..n).map(|i| (i as f32 * 0.11).cos()).collect();
             let want: f64 = a.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
-            assert!((dot_lanes(&a, &b[..]) as f64 - want).abs() < 1e-4, "n {n}");
+            assert!((dot_lanes(&a, &b) as f64 - want).abs() < 1e-4, "n {n}");
         }
     }
 
@@ -208,16 +207,15 @@ mod tests {
 
     #[test]
     fn f16_and_8_bit_rows_read_in_place_give_the_bits_of_the_rows_decoded_first() {
-        // A decode step over a store's f16 or q8_0 rows, read in place and widened as
-        // it loads them, against the same rows decoded to f32 whole beforehand (as the
+        // A decode step over a store's f16 or q8_0 rows, decoded a chunk at a time as it
+        // reads them, against the same rows decoded to f32 whole beforehand (as the
         // other attention paths read them), on every instruction set; the rows in two
-        // parts (a shared prefix of 37 rows, then the head's own), so that a task's
-        // keys straddle the parts; rows of 48 and 72 values take the portable value
-        // sums, 72 a dot product's remainder and a short 8-bit block.
+        // parts (a shared prefix of 37 rows, then the head's own), so that a chunk
+        // straddles the parts.
         use crate::model::cache::rows::Rows;
         use crate::model::RowFormat;
         let (nh, nkv, len) = (6, 2, 300);
-        for dh in [48, 64, 72, 256] {
+        for dh in [64, 256] {
             let randn = |n: usize| -> Vec<f32> {
                 let t = Tensor::randn(0f32, 1.0, (n,), &Device::Cpu).unwrap();
                 t.to_vec1().unwrap()

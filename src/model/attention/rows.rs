@@ -1,8 +1,7 @@
 //! The operands of one attention call borrowed as rows, shared by the loop kernels:
 //! each KV head's keys and values as [`KvRows`], read in place from a cache's stores or
 //! from `(n_kv_heads, kv_len, d_head)` tensors ([`Kv`]), or as [`StoredRows`] in the
-//! store's own encoding (a decode step reads them so, widening each vector as it loads
-//! it: `encoded`).
+//! store's own encoding (a decode step decodes a few rows at a time).
 
 use std::ops::Range;
 
@@ -71,8 +70,8 @@ impl<'a> KvRows<'a> {
 }
 
 /// One KV head's rows as its store holds them (f32, f16 or 8-bit [`Run`]s), in two
-/// parts like [`KvRows`]: what a decode step reads in place ([`StoredRows::runs`]), in
-/// their own encoding.
+/// parts like [`KvRows`]: what a decode step reads in place, a few rows at a time
+/// ([`StoredRows::keys`], [`StoredRows::values`]), decoding only those not stored as f32.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct StoredRows<'a> {
     keys: [Run<'a>; 2],
@@ -103,31 +102,52 @@ impl<'a> StoredRows<'a> {
         self.len
     }
 
-    /// Rows `range` in place, keys with values: the runs of the (at most two) parts they
-    /// lie in, each cut to its rows of `range` (either may be empty).
-    pub(crate) fn runs(&self, range: Range<usize>, dh: usize) -> [(Run<'a>, Run<'a>); 2] {
-        let split = self.split;
-        let first = range.start.min(split)..range.end.min(split);
-        let second = range.start.max(split) - split..range.end.max(split) - split;
-        let cut = |run: Run<'a>, rows: &Range<usize>| {
-            run.split_at(rows.end, dh).0.split_at(rows.start, dh).1
-        };
-        [
-            (cut(self.keys[0], &first), cut(self.values[0], &first)),
-            (cut(self.keys[1], &second), cut(self.values[1], &second)),
-        ]
+    /// Key rows `range` (`range.len() * dh` floats): borrowed where they lie in one part
+    /// stored as f32, else decoded (or copied) into `scratch`.
+    #[inline]
+    pub(crate) fn keys<'s>(
+        &'s self,
+        range: Range<usize>,
+        dh: usize,
+        scratch: &'s mut Vec<f32>,
+    ) -> &'s [f32] {
+        Self::rows(&self.keys, self.split, range, dh, scratch)
     }
 
-    /// Every key row and every value row as f32 (`len * dh` floats each), decoded.
-    fn decoded(&self, dh: usize) -> (Vec<f32>, Vec<f32>) {
-        let read = |parts: &[Run; 2]| {
-            let mut out = vec![0f32; self.len * dh];
-            let (first, rest) = out.split_at_mut(self.split * dh);
-            parts[0].read(dh, 0..self.split, first);
-            parts[1].read(dh, 0..self.len - self.split, rest);
-            out
+    /// Value rows `range`, as [`StoredRows::keys`].
+    #[inline]
+    pub(crate) fn values<'s>(
+        &'s self,
+        range: Range<usize>,
+        dh: usize,
+        scratch: &'s mut Vec<f32>,
+    ) -> &'s [f32] {
+        Self::rows(&self.values, self.split, range, dh, scratch)
+    }
+
+    fn rows<'s>(
+        parts: &'s [Run<'a>; 2],
+        split: usize,
+        range: Range<usize>,
+        dh: usize,
+        scratch: &'s mut Vec<f32>,
+    ) -> &'s [f32] {
+        let first = range.start.min(split)..range.end.min(split);
+        let second = range.start.max(split) - split..range.end.max(split) - split;
+        let whole = match (first.is_empty(), second.is_empty()) {
+            (false, true) => Some((parts[0], first.clone())),
+            (true, _) => Some((parts[1], second.clone())),
+            (false, false) => None,
         };
-        (read(&self.keys), read(&self.values))
+        if let Some((f32_rows, r)) = whole.and_then(|(p, r)| Some((p.as_f32()?, r))) {
+            return &f32_rows[r.start * dh..r.end * dh];
+        }
+        scratch.clear();
+        scratch.resize(range.len() * dh, 0.0);
+        let at = first.len() * dh;
+        parts[0].read(dh, first, &mut scratch[..at]);
+        parts[1].read(dh, second, &mut scratch[at..]);
+        scratch
     }
 }
 
@@ -228,7 +248,15 @@ impl Kv<'_> {
         if let Some(rows) = in_place {
             return f(&rows);
         }
-        let decoded: Vec<(Vec<f32>, Vec<f32>)> = heads.iter().map(|h| h.decoded(dh)).collect();
+        let decoded: Vec<(Vec<f32>, Vec<f32>)> = heads
+            .iter()
+            .map(|h| {
+                let mut scratch = Vec::new();
+                let k = h.keys(0..h.len, dh, &mut scratch).to_vec();
+                let v = h.values(0..h.len, dh, &mut scratch).to_vec();
+                (k, v)
+            })
+            .collect();
         let rows: Vec<KvRows> = decoded
             .iter()
             .map(|(k, v)| KvRows::contiguous(k, v, dh))

@@ -8,7 +8,6 @@
 use candle_core::{Device, Tensor};
 use rayon::prelude::*;
 
-use super::encoded::{with_encoded, Encoded};
 use super::rows::{mask_values, with_data, Kv, Shapes, StoredRows};
 use crate::model::numerics::fast_exp;
 use crate::model::numerics::kernels::Isa;
@@ -19,35 +18,27 @@ use crate::Result;
 const LANES: usize = 16;
 
 /// The decode task's vector arithmetic, one implementation per vector width, all with
-/// the same floats, over key and value rows read in place in their store's encoding
-/// ([`Encoded`]). The dot product keeps [`LANES`] interleaved accumulators: lane `i`
+/// the same floats. The dot product keeps [`LANES`] interleaved accumulators: lane `i`
 /// sums `a[16c + i] * b[16c + i]` over the whole chunks `c` (a multiply, then an add: no
 /// fused multiply-add), the lanes are halved pairwise (`acc[i] += acc[i + w]` for `w` =
 /// 8, 4, 2, 1), and the remainder's plain sum is added last.
 trait Lanes {
-    /// `a . b`, `b` one row of `a.len()` values.
+    /// `a . b` (equal lengths).
     ///
     /// # Safety
     ///
     /// The CPU runs the implementation's instruction set.
-    unsafe fn dot<'a>(a: &[f32], b: impl Encoded<'a>) -> f32;
+    unsafe fn dot(a: &[f32], b: &[f32]) -> f32;
 
     /// For each query head `g` of a group, `accs[g] += w[g * stride + i] * values[i]`
-    /// over the `rows` value rows in order, skipping zero weights, lane by lane (a
-    /// multiply, then an add): `accs` `(group, d_head)`, `values` `(rows, d_head)`. Rows
-    /// summed in several calls give the floats of one call over them all.
+    /// over the value rows in order, skipping zero weights, lane by lane (a multiply,
+    /// then an add): `accs` `(group, d_head)`, `values` `(rows, d_head)`. Rows summed in
+    /// several calls give the floats of one call over them all.
     ///
     /// # Safety
     ///
     /// The CPU runs the implementation's instruction set.
-    unsafe fn weighted_sum<'a>(
-        accs: &mut [f32],
-        w: &[f32],
-        stride: usize,
-        values: impl Encoded<'a>,
-        rows: usize,
-        dh: usize,
-    );
+    unsafe fn weighted_sum(accs: &mut [f32], w: &[f32], stride: usize, values: &[f32], dh: usize);
 }
 
 /// The portable loop (the compiler vectorises it as it can).
@@ -55,28 +46,14 @@ struct Portable;
 
 impl Lanes for Portable {
     #[inline(always)]
-    unsafe fn dot<'a>(a: &[f32], b: impl Encoded<'a>) -> f32 {
+    unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
         dot_lanes(a, b)
     }
 
     #[inline(always)]
-    unsafe fn weighted_sum<'a>(
-        accs: &mut [f32],
-        w: &[f32],
-        stride: usize,
-        values: impl Encoded<'a>,
-        rows: usize,
-        dh: usize,
-    ) {
-        let mut widened = Vec::new();
-        for i in 0..rows {
-            let v = values.row(i, dh);
-            v.prefetch();
-            let v = v.as_f32().unwrap_or_else(|| {
-                widened.clear();
-                widened.extend((0..dh).map(|j| v.at(j)));
-                &widened
-            });
+    unsafe fn weighted_sum(accs: &mut [f32], w: &[f32], stride: usize, values: &[f32], dh: usize) {
+        for (i, v) in values.chunks_exact(dh).enumerate() {
+            prefetch(v);
             for (g, acc) in accs.chunks_exact_mut(dh).enumerate() {
                 let p = w[g * stride + i];
                 if p != 0.0 {
@@ -89,19 +66,16 @@ impl Lanes for Portable {
 
 /// The remainder of `a . b` past its whole chunks of [`LANES`], summed in order.
 #[inline(always)]
-fn tail<'a>(a: &[f32], b: impl Encoded<'a>) -> f32 {
+fn tail(a: &[f32], b: &[f32]) -> f32 {
     let whole = a.len() / LANES * LANES;
-    let rest = a[whole..].iter().enumerate();
-    rest.map(|(i, x)| x * b.at(whole + i)).sum()
+    a[whole..].iter().zip(&b[whole..]).map(|(x, y)| x * y).sum()
 }
 
-/// Dot product of `a` and a row `b` of as many values with [`LANES`] independent
-/// accumulators, the reference loop of [`Lanes`].
+/// Dot product with [`LANES`] independent accumulators, the reference loop of [`Lanes`].
 #[inline(always)]
-pub(super) fn dot_lanes<'a>(a: &[f32], b: impl Encoded<'a>) -> f32 {
+pub(super) fn dot_lanes(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; LANES];
-    for (c, x) in a.chunks_exact(LANES).enumerate() {
-        let y: [f32; LANES] = b.array(c * LANES);
+    for (x, y) in a.chunks_exact(LANES).zip(b.chunks_exact(LANES)) {
         for i in 0..LANES {
             acc[i] += x[i] * y[i];
         }
@@ -121,16 +95,15 @@ mod x86 {
     //! [`Lanes`] in AVX2 (two 256-bit accumulators) and AVX-512 (one 512-bit one), and
     //! the decode task compiled for each. Written with intrinsics: the compiler split
     //! the portable loop's sixteen lanes into pairs of two-float vectors (measured in a
-    //! profile of a batched decode step: a quarter of its time in those scores). Rows
-    //! stored as f16 or 8 bits are widened in the registers they are loaded into.
+    //! profile of a batched decode step: a quarter of its time in those scores).
 
     use std::arch::x86_64::*;
 
-    use super::{run_task, tail, Encoded, Lanes, Portable, Step, Task, LANES};
+    use super::{prefetch, run_task, tail, Lanes, Portable, Step, Task, LANES};
 
     /// Lanes 0-7 of the accumulators halved down to lane 0, then the remainder added.
     #[inline(always)]
-    unsafe fn finish<'a>(low8: __m256, a: &[f32], b: impl Encoded<'a>) -> f32 {
+    unsafe fn finish(low8: __m256, a: &[f32], b: &[f32]) -> f32 {
         let four = _mm_add_ps(
             _mm256_castps256_ps128(low8),
             _mm256_extractf128_ps::<1>(low8),
@@ -140,18 +113,16 @@ mod x86 {
         _mm_cvtss_f32(one) + tail(a, b)
     }
 
-    /// [`Lanes::weighted_sum`] in vectors of `$w` floats (loaded by `$load`), `$n` of
-    /// them per run of the output: for each run, the query heads' sums held in registers
-    /// while every key's value run is loaded once and added, weighted, to each head's
-    /// (the portable loop where `d_head` is not a multiple of the run, or a group has
-    /// more than four heads).
+    /// [`Lanes::weighted_sum`] in vectors of `$w` floats, `$n` of them per run of the
+    /// output: for each run, the query heads' sums held in registers while every key's
+    /// value run is loaded once and added, weighted, to each head's (the portable loop
+    /// where `d_head` is not a multiple of the run, or a group has more than four heads).
     macro_rules! weighted_sum {
         (__m256) => {
             weighted_sum!(
                 __m256,
                 8,
                 4,
-                load8,
                 _mm256_setzero_ps,
                 _mm256_set1_ps,
                 _mm256_loadu_ps,
@@ -165,7 +136,6 @@ mod x86 {
                 __m512,
                 16,
                 4,
-                load16,
                 _mm512_setzero_ps,
                 _mm512_set1_ps,
                 _mm512_loadu_ps,
@@ -174,44 +144,41 @@ mod x86 {
                 _mm512_mul_ps
             );
         };
-        ($t:ty, $w:literal, $n:literal, $load:ident, $zero:ident, $splat:ident,
-         $load_acc:ident, $store:ident, $add:ident, $mul:ident) => {
+        ($t:ty, $w:literal, $n:literal, $zero:ident, $splat:ident, $load:ident,
+         $store:ident, $add:ident, $mul:ident) => {
             #[inline(always)]
-            unsafe fn weighted_sum<'a>(
+            unsafe fn weighted_sum(
                 accs: &mut [f32],
                 wts: &[f32],
                 stride: usize,
-                values: impl Encoded<'a>,
-                rows: usize,
+                values: &[f32],
                 dh: usize,
             ) {
                 #[inline(always)]
-                unsafe fn heads<'a, const G: usize>(
+                unsafe fn heads<const G: usize>(
                     accs: &mut [f32],
                     wts: &[f32],
                     stride: usize,
-                    values: impl Encoded<'a>,
-                    rows: usize,
+                    values: &[f32],
                     dh: usize,
                 ) {
-                    // SAFETY (the pointer arithmetic and loads): `accs` holds `G` rows of
-                    // `dh` floats, each value row `dh` values, and every run
-                    // `c..c + $w * $n` lies within `dh` (checked below: `dh` is a
-                    // multiple of the run).
+                    // SAFETY (the pointer arithmetic): `accs` holds `G` rows of `dh`
+                    // floats, each value row `dh`, and every run `c..c + $w * $n` lies
+                    // within `dh` (checked below: `dh` is a multiple of the run).
                     for c in (0..dh).step_by($w * $n) {
                         let mut sums: [[$t; $n]; G] = [[$zero(); $n]; G];
                         for (g, sums) in sums.iter_mut().enumerate() {
                             let at = accs.as_ptr().add(g * dh + c);
                             for (k, sum) in sums.iter_mut().enumerate() {
-                                *sum = $load_acc(at.add(k * $w));
+                                *sum = $load(at.add(k * $w));
                             }
                         }
-                        for i in 0..rows {
-                            let v = values.row(i, dh);
+                        for (i, v) in values.chunks_exact(dh).enumerate() {
                             if c == 0 {
-                                v.prefetch();
+                                prefetch(v);
                             }
-                            let vs: [$t; $n] = std::array::from_fn(|k| v.$load(c + k * $w));
+                            let v = v.as_ptr().add(c);
+                            let vs: [$t; $n] = std::array::from_fn(|k| $load(v.add(k * $w)));
                             for (g, sums) in sums.iter_mut().enumerate() {
                                 let p = wts[g * stride + i];
                                 if p != 0.0 {
@@ -231,14 +198,14 @@ mod x86 {
                     }
                 }
                 if dh % ($w * $n) != 0 {
-                    return Portable::weighted_sum(accs, wts, stride, values, rows, dh);
+                    return Portable::weighted_sum(accs, wts, stride, values, dh);
                 }
                 match accs.len() / dh {
-                    1 => heads::<1>(accs, wts, stride, values, rows, dh),
-                    2 => heads::<2>(accs, wts, stride, values, rows, dh),
-                    3 => heads::<3>(accs, wts, stride, values, rows, dh),
-                    4 => heads::<4>(accs, wts, stride, values, rows, dh),
-                    _ => Portable::weighted_sum(accs, wts, stride, values, rows, dh),
+                    1 => heads::<1>(accs, wts, stride, values, dh),
+                    2 => heads::<2>(accs, wts, stride, values, dh),
+                    3 => heads::<3>(accs, wts, stride, values, dh),
+                    4 => heads::<4>(accs, wts, stride, values, dh),
+                    _ => Portable::weighted_sum(accs, wts, stride, values, dh),
                 }
             }
         };
@@ -248,14 +215,17 @@ mod x86 {
 
     impl Lanes for Avx2 {
         #[inline(always)]
-        unsafe fn dot<'a>(a: &[f32], b: impl Encoded<'a>) -> f32 {
+        unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
             let (mut lo, mut hi) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-            let whole = a.len() / LANES * LANES;
-            let pa = a.as_ptr();
+            let whole = a.len().min(b.len()) / LANES * LANES;
+            let (pa, pb) = (a.as_ptr(), b.as_ptr());
             for c in (0..whole).step_by(LANES) {
-                // SAFETY: `c + 16 <= whole` values of `a` and of the row `b`.
-                let (x0, y0) = (_mm256_loadu_ps(pa.add(c)), b.load8(c));
-                let (x1, y1) = (_mm256_loadu_ps(pa.add(c + 8)), b.load8(c + 8));
+                // SAFETY: `c + 16 <= whole` floats of both slices.
+                let (x0, y0) = (_mm256_loadu_ps(pa.add(c)), _mm256_loadu_ps(pb.add(c)));
+                let (x1, y1) = (
+                    _mm256_loadu_ps(pa.add(c + 8)),
+                    _mm256_loadu_ps(pb.add(c + 8)),
+                );
                 lo = _mm256_add_ps(lo, _mm256_mul_ps(x0, y0));
                 hi = _mm256_add_ps(hi, _mm256_mul_ps(x1, y1));
             }
@@ -269,13 +239,13 @@ mod x86 {
 
     impl Lanes for Avx512 {
         #[inline(always)]
-        unsafe fn dot<'a>(a: &[f32], b: impl Encoded<'a>) -> f32 {
+        unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
             let mut acc = _mm512_setzero_ps();
-            let whole = a.len() / LANES * LANES;
-            let pa = a.as_ptr();
+            let whole = a.len().min(b.len()) / LANES * LANES;
+            let (pa, pb) = (a.as_ptr(), b.as_ptr());
             for c in (0..whole).step_by(LANES) {
-                // SAFETY: `c + 16 <= whole` values of `a` and of the row `b`.
-                let (x, y) = (_mm512_loadu_ps(pa.add(c)), b.load16(c));
+                // SAFETY: `c + 16 <= whole` floats of both slices.
+                let (x, y) = (_mm512_loadu_ps(pa.add(c)), _mm512_loadu_ps(pb.add(c)));
                 acc = _mm512_add_ps(acc, _mm512_mul_ps(x, y));
             }
             let high = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(acc)));
@@ -289,8 +259,8 @@ mod x86 {
     ///
     /// # Safety
     ///
-    /// The CPU runs AVX2, FMA and F16C.
-    #[target_feature(enable = "avx2,fma,f16c")]
+    /// The CPU runs AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn task_avx2(task: &mut Task, step: &Step) {
         run_task::<Avx2>(task, step)
     }
@@ -299,8 +269,8 @@ mod x86 {
     ///
     /// # Safety
     ///
-    /// The CPU runs AVX-512 F, AVX2, FMA and F16C.
-    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    /// The CPU runs AVX-512 F, AVX2 and FMA.
+    #[target_feature(enable = "avx512f,avx2,fma")]
     pub(super) unsafe fn task_avx512(task: &mut Task, step: &Step) {
         run_task::<Avx512>(task, step)
     }
@@ -312,7 +282,7 @@ fn run_task_on(isa: Isa, task: &mut Task, step: &Step) {
     #[cfg(target_arch = "x86_64")]
     match isa {
         // SAFETY (both): `supported` checked that the CPU runs the set (every `Isa` past
-        // `Portable` includes AVX2, FMA and F16C, and AVX-512 VNNI includes AVX-512 F).
+        // `Portable` includes AVX2 and FMA, and AVX-512 VNNI includes AVX-512 F).
         Isa::Avx512Vnni if isa.supported() => return unsafe { x86::task_avx512(task, step) },
         Isa::Avx2 | Isa::AvxVnni if isa.supported() => {
             return unsafe { x86::task_avx2(task, step) }
@@ -322,6 +292,10 @@ fn run_task_on(isa: Isa, task: &mut Task, step: &Step) {
     // SAFETY: the portable loop runs everywhere.
     unsafe { run_task::<Portable>(task, step) }
 }
+
+/// Floats of key or value rows a task reads per chunk (16 KiB: in the first-level cache
+/// with the rows decoded from f16 or 8 bits).
+const CHUNK_FLOATS: usize = 4096;
 
 /// Fewest keys in one part of the single-query path: below this, splitting the keys
 /// costs more than it balances.
@@ -519,23 +493,21 @@ unsafe fn run_task<L: Lanes>(task: &mut Task, step: &Step) {
     let rows = &heads[task.kv_head];
     let n = task.keys.len();
     let w = &mut task.weights;
-    // The task's rows in at most two runs (the parts of `rows`), each read in place in
-    // its own encoding: the keys, then the values.
-    let runs = rows.runs(task.keys.clone(), dh);
-    let mut first = 0;
-    for (keys, _) in runs {
-        let count = keys.rows(dh);
-        with_encoded!(keys, dh, |keys| {
-            for i in 0..count {
-                let k = keys.row(i, dh);
-                k.prefetch();
-                for g in 0..group {
-                    let h = task.kv_head * group + g;
-                    w[g * n + first + i] = L::dot(&q[h * dh..(h + 1) * dh], k) * scale;
-                }
+    // The keys, then the values, a chunk of rows at a time: borrowed where stored as
+    // f32, else decoded into `scratch` while it stays in cache.
+    let chunk = (CHUNK_FLOATS / dh).max(1);
+    let chunks = || (0..n).step_by(chunk).map(move |c| c..(c + chunk).min(n));
+    let at = |r: &std::ops::Range<usize>| task.keys.start + r.start..task.keys.start + r.end;
+    let mut scratch = Vec::new();
+    for c in chunks() {
+        let keys = rows.keys(at(&c), dh, &mut scratch);
+        for (i, k) in c.zip(keys.chunks_exact(dh)) {
+            prefetch(k);
+            for g in 0..group {
+                let h = task.kv_head * group + g;
+                w[g * n + i] = L::dot(&q[h * dh..(h + 1) * dh], k) * scale;
             }
-        });
-        first += count;
+        }
     }
     for (g, st) in task.stats.iter_mut().enumerate() {
         let row = &mut w[g * n..(g + 1) * n];
@@ -551,13 +523,25 @@ unsafe fn run_task<L: Lanes>(task: &mut Task, step: &Step) {
             fast_exp::exp_shifted(row, st.max)
         };
     }
-    let mut first = 0;
-    for (_, values) in runs {
-        let count = values.rows(dh);
-        with_encoded!(values, dh, |values| {
-            L::weighted_sum(&mut task.accs, &w[first..], n, values, count, dh)
-        });
-        first += count;
+    for c in chunks() {
+        let values = rows.values(at(&c), dh, &mut scratch);
+        L::weighted_sum(&mut task.accs, &w[c.start..], n, values, dh);
+    }
+}
+
+/// Ask for the cache lines
+/// [`PREFETCH_BYTES`](crate::model::numerics::kernels::PREFETCH_BYTES) past each line of `row`, a row of a KV
+/// head's contiguous keys or values (a hint only: results do not change).
+#[inline(always)]
+fn prefetch(row: &[f32]) {
+    #[cfg(target_arch = "x86_64")]
+    for line in (0..row.len()).step_by(16) {
+        use crate::model::numerics::kernels::PREFETCH_BYTES;
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let at = row.as_ptr().wrapping_add(line + PREFETCH_BYTES / 4);
+        // SAFETY: a prefetch does not fault or read memory architecturally, whatever the
+        // address; SSE is part of every x86-64 CPU.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(at as *const i8) };
     }
 }
 

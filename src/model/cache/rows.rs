@@ -1,8 +1,8 @@
 //! Rows of keys or values in one encoding ([`RowFormat`]): what a per-head store holds
-//! in memory, for its hot rows and for a tiered head's cold tier. A decode step reads
-//! every encoding in place (`Run`), widening f16 and 8-bit values to f32 in the
-//! registers it loads them into; a prefill or a tiered head's cold tier decodes them to
-//! f32 whole.
+//! in memory, for its hot rows and for a tiered head's cold tier. f32 rows are read in
+//! place; f16 and 8-bit rows are decoded to f32 when a query reads them: a decode step
+//! a few rows at a time as it goes (`Run`), a prefill or a tiered head's cold tier
+//! whole.
 //!
 //! The 8-bit encoding is llama.cpp's `q8_0` (its `-ctk q8_0 -ctv q8_0` KV cache): blocks
 //! of [`Q8_BLOCK`] values, each with one f16 scale `d = absmax / 127` and the values
@@ -158,7 +158,8 @@ impl Data {
 }
 
 /// Rows of `d` values in one run as a store holds them, borrowed: what a decode step
-/// reads in place, with the floats [`Run::read`] decodes.
+/// reads in place, a few rows at a time decoded to f32 ([`Run::read`]) where they are
+/// not f32 already.
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum Run<'a> {
     F32(&'a [f32]),
