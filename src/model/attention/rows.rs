@@ -6,6 +6,7 @@
 use std::ops::Range;
 
 use candle_core::{Device, Storage, Tensor};
+use half::f16;
 
 use crate::model::cache::rows::Run;
 use crate::{Error, Result};
@@ -71,7 +72,8 @@ impl<'a> KvRows<'a> {
 
 /// One KV head's rows as its store holds them (f32, f16 or 8-bit [`Run`]s), in two
 /// parts like [`KvRows`]: what a decode step reads in place, a few rows at a time
-/// ([`StoredRows::keys`], [`StoredRows::values`]), decoding only those not stored as f32.
+/// ([`StoredRows::keys`], [`StoredRows::values`]), decoding only 8-bit rows and chunks
+/// that straddle the parts.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct StoredRows<'a> {
     keys: [Run<'a>; 2],
@@ -102,15 +104,15 @@ impl<'a> StoredRows<'a> {
         self.len
     }
 
-    /// Key rows `range` (`range.len() * dh` floats): borrowed where they lie in one part
-    /// stored as f32, else decoded (or copied) into `scratch`.
+    /// Key rows `range` (`range.len() * dh` values): borrowed where they lie in one part
+    /// stored as f32 or f16, else decoded (or copied) into `scratch`.
     #[inline]
     pub(crate) fn keys<'s>(
         &'s self,
         range: Range<usize>,
         dh: usize,
         scratch: &'s mut Vec<f32>,
-    ) -> &'s [f32] {
+    ) -> Chunk<'s> {
         Self::rows(&self.keys, self.split, range, dh, scratch)
     }
 
@@ -121,7 +123,7 @@ impl<'a> StoredRows<'a> {
         range: Range<usize>,
         dh: usize,
         scratch: &'s mut Vec<f32>,
-    ) -> &'s [f32] {
+    ) -> Chunk<'s> {
         Self::rows(&self.values, self.split, range, dh, scratch)
     }
 
@@ -131,7 +133,7 @@ impl<'a> StoredRows<'a> {
         range: Range<usize>,
         dh: usize,
         scratch: &'s mut Vec<f32>,
-    ) -> &'s [f32] {
+    ) -> Chunk<'s> {
         let first = range.start.min(split)..range.end.min(split);
         let second = range.start.max(split) - split..range.end.max(split) - split;
         let whole = match (first.is_empty(), second.is_empty()) {
@@ -139,15 +141,35 @@ impl<'a> StoredRows<'a> {
             (true, _) => Some((parts[1], second.clone())),
             (false, false) => None,
         };
-        if let Some((f32_rows, r)) = whole.and_then(|(p, r)| Some((p.as_f32()?, r))) {
-            return &f32_rows[r.start * dh..r.end * dh];
+        match whole {
+            Some((Run::F32(v), r)) => return Chunk::F32(&v[r.start * dh..r.end * dh]),
+            Some((Run::F16(v), r)) => return Chunk::F16(&v[r.start * dh..r.end * dh]),
+            _ => {}
         }
         scratch.clear();
         scratch.resize(range.len() * dh, 0.0);
         let at = first.len() * dh;
         parts[0].read(dh, first, &mut scratch[..at]);
         parts[1].read(dh, second, &mut scratch[at..]);
-        scratch
+        Chunk::F32(scratch)
+    }
+}
+
+/// Rows of one [`StoredRows`] read: f32 (borrowed or decoded), or f16 borrowed as stored,
+/// which a decode task widens as it loads them (an exact conversion).
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Chunk<'s> {
+    F32(&'s [f32]),
+    F16(&'s [f16]),
+}
+
+impl Chunk<'_> {
+    /// The rows as f32 (copied; f16 widened).
+    fn to_f32(self) -> Vec<f32> {
+        match self {
+            Chunk::F32(v) => v.to_vec(),
+            Chunk::F16(v) => v.iter().map(|x| x.to_f32()).collect(),
+        }
     }
 }
 
@@ -252,8 +274,8 @@ impl Kv<'_> {
             .iter()
             .map(|h| {
                 let mut scratch = Vec::new();
-                let k = h.keys(0..h.len, dh, &mut scratch).to_vec();
-                let v = h.values(0..h.len, dh, &mut scratch).to_vec();
+                let k = h.keys(0..h.len, dh, &mut scratch).to_f32();
+                let v = h.values(0..h.len, dh, &mut scratch).to_f32();
                 (k, v)
             })
             .collect();

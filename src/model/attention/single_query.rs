@@ -3,12 +3,14 @@
 //! spends most of its time packing operands). The dot products and the weighted value
 //! sums are written once per vector width (portable, AVX2, AVX-512: [`Lanes`]), each task
 //! compiled for the widest one the CPU runs and chosen at run time ([`Isa`]), with the
-//! same floats on each.
+//! same floats on each. Keys and values stored as f16 are widened in the registers they
+//! are loaded into ([`Element`]), so their floats are those of the rows widened first.
 
 use candle_core::{Device, Tensor};
+use half::f16;
 use rayon::prelude::*;
 
-use super::rows::{mask_values, with_data, Kv, Shapes, StoredRows};
+use super::rows::{mask_values, with_data, Chunk, Kv, Shapes, StoredRows};
 use crate::model::numerics::fast_exp;
 use crate::model::numerics::kernels::Isa;
 use crate::model::numerics::PARTITION_THREADS;
@@ -16,6 +18,69 @@ use crate::Result;
 
 /// Lanes of the vectorised dot product.
 const LANES: usize = 16;
+
+/// A type KV rows are stored in that the decode task reads in place: f32, or f16 widened
+/// as it is loaded (an exact conversion).
+pub(super) trait Element: Copy {
+    /// The value as f32.
+    fn widen(self) -> f32;
+
+    /// Eight values from `p` widened to f32.
+    ///
+    /// # Safety
+    ///
+    /// `p` points at eight readable values; the CPU runs AVX and F16C.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
+
+    /// Sixteen values from `p` widened to f32.
+    ///
+    /// # Safety
+    ///
+    /// `p` points at sixteen readable values; the CPU runs AVX-512 F.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512;
+}
+
+impl Element for f32 {
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        self
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const f32) -> std::arch::x86_64::__m256 {
+        std::arch::x86_64::_mm256_loadu_ps(p)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const f32) -> std::arch::x86_64::__m512 {
+        std::arch::x86_64::_mm512_loadu_ps(p)
+    }
+}
+
+impl Element for f16 {
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        self.to_f32()
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const f16) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::{_mm256_cvtph_ps, _mm_loadu_si128};
+        _mm256_cvtph_ps(_mm_loadu_si128(p.cast()))
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const f16) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::{_mm256_loadu_si256, _mm512_cvtph_ps};
+        _mm512_cvtph_ps(_mm256_loadu_si256(p.cast()))
+    }
+}
 
 /// The decode task's vector arithmetic, one implementation per vector width, all with
 /// the same floats. The dot product keeps [`LANES`] interleaved accumulators: lane `i`
@@ -28,7 +93,7 @@ trait Lanes {
     /// # Safety
     ///
     /// The CPU runs the implementation's instruction set.
-    unsafe fn dot(a: &[f32], b: &[f32]) -> f32;
+    unsafe fn dot<E: Element>(a: &[f32], b: &[E]) -> f32;
 
     /// For each query head `g` of a group, `accs[g] += w[g * stride + i] * values[i]`
     /// over the value rows in order, skipping zero weights, lane by lane (a multiply,
@@ -38,7 +103,13 @@ trait Lanes {
     /// # Safety
     ///
     /// The CPU runs the implementation's instruction set.
-    unsafe fn weighted_sum(accs: &mut [f32], w: &[f32], stride: usize, values: &[f32], dh: usize);
+    unsafe fn weighted_sum<E: Element>(
+        accs: &mut [f32],
+        w: &[f32],
+        stride: usize,
+        values: &[E],
+        dh: usize,
+    );
 }
 
 /// The portable loop (the compiler vectorises it as it can).
@@ -46,18 +117,24 @@ struct Portable;
 
 impl Lanes for Portable {
     #[inline(always)]
-    unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
+    unsafe fn dot<E: Element>(a: &[f32], b: &[E]) -> f32 {
         dot_lanes(a, b)
     }
 
     #[inline(always)]
-    unsafe fn weighted_sum(accs: &mut [f32], w: &[f32], stride: usize, values: &[f32], dh: usize) {
+    unsafe fn weighted_sum<E: Element>(
+        accs: &mut [f32],
+        w: &[f32],
+        stride: usize,
+        values: &[E],
+        dh: usize,
+    ) {
         for (i, v) in values.chunks_exact(dh).enumerate() {
             prefetch(v);
             for (g, acc) in accs.chunks_exact_mut(dh).enumerate() {
                 let p = w[g * stride + i];
                 if p != 0.0 {
-                    acc.iter_mut().zip(v).for_each(|(a, x)| *a += p * x);
+                    acc.iter_mut().zip(v).for_each(|(a, x)| *a += p * x.widen());
                 }
             }
         }
@@ -66,18 +143,22 @@ impl Lanes for Portable {
 
 /// The remainder of `a . b` past its whole chunks of [`LANES`], summed in order.
 #[inline(always)]
-fn tail(a: &[f32], b: &[f32]) -> f32 {
+fn tail<E: Element>(a: &[f32], b: &[E]) -> f32 {
     let whole = a.len() / LANES * LANES;
-    a[whole..].iter().zip(&b[whole..]).map(|(x, y)| x * y).sum()
+    a[whole..]
+        .iter()
+        .zip(&b[whole..])
+        .map(|(x, y)| x * y.widen())
+        .sum()
 }
 
 /// Dot product with [`LANES`] independent accumulators, the reference loop of [`Lanes`].
 #[inline(always)]
-pub(super) fn dot_lanes(a: &[f32], b: &[f32]) -> f32 {
+pub(super) fn dot_lanes<E: Element>(a: &[f32], b: &[E]) -> f32 {
     let mut acc = [0f32; LANES];
     for (x, y) in a.chunks_exact(LANES).zip(b.chunks_exact(LANES)) {
         for i in 0..LANES {
-            acc[i] += x[i] * y[i];
+            acc[i] += x[i] * y[i].widen();
         }
     }
     let mut width = LANES / 2;
@@ -99,11 +180,11 @@ mod x86 {
 
     use std::arch::x86_64::*;
 
-    use super::{prefetch, run_task, tail, Lanes, Portable, Step, Task, LANES};
+    use super::{prefetch, run_task, tail, Element, Lanes, Portable, Step, Task, LANES};
 
     /// Lanes 0-7 of the accumulators halved down to lane 0, then the remainder added.
     #[inline(always)]
-    unsafe fn finish(low8: __m256, a: &[f32], b: &[f32]) -> f32 {
+    unsafe fn finish<E: Element>(low8: __m256, a: &[f32], b: &[E]) -> f32 {
         let four = _mm_add_ps(
             _mm256_castps256_ps128(low8),
             _mm256_extractf128_ps::<1>(low8),
@@ -115,8 +196,9 @@ mod x86 {
 
     /// [`Lanes::weighted_sum`] in vectors of `$w` floats, `$n` of them per run of the
     /// output: for each run, the query heads' sums held in registers while every key's
-    /// value run is loaded once and added, weighted, to each head's (the portable loop
-    /// where `d_head` is not a multiple of the run, or a group has more than four heads).
+    /// value run is loaded once (widened by `Element::load8` or `load16`) and added,
+    /// weighted, to each head's (the portable loop where `d_head` is not a multiple of the
+    /// run, or a group has more than four heads).
     macro_rules! weighted_sum {
         (__m256) => {
             weighted_sum!(
@@ -126,6 +208,7 @@ mod x86 {
                 _mm256_setzero_ps,
                 _mm256_set1_ps,
                 _mm256_loadu_ps,
+                load8,
                 _mm256_storeu_ps,
                 _mm256_add_ps,
                 _mm256_mul_ps
@@ -139,27 +222,28 @@ mod x86 {
                 _mm512_setzero_ps,
                 _mm512_set1_ps,
                 _mm512_loadu_ps,
+                load16,
                 _mm512_storeu_ps,
                 _mm512_add_ps,
                 _mm512_mul_ps
             );
         };
         ($t:ty, $w:literal, $n:literal, $zero:ident, $splat:ident, $load:ident,
-         $store:ident, $add:ident, $mul:ident) => {
+         $loadv:ident, $store:ident, $add:ident, $mul:ident) => {
             #[inline(always)]
-            unsafe fn weighted_sum(
+            unsafe fn weighted_sum<E: Element>(
                 accs: &mut [f32],
                 wts: &[f32],
                 stride: usize,
-                values: &[f32],
+                values: &[E],
                 dh: usize,
             ) {
                 #[inline(always)]
-                unsafe fn heads<const G: usize>(
+                unsafe fn heads<const G: usize, E: Element>(
                     accs: &mut [f32],
                     wts: &[f32],
                     stride: usize,
-                    values: &[f32],
+                    values: &[E],
                     dh: usize,
                 ) {
                     // SAFETY (the pointer arithmetic): `accs` holds `G` rows of `dh`
@@ -178,7 +262,7 @@ mod x86 {
                                 prefetch(v);
                             }
                             let v = v.as_ptr().add(c);
-                            let vs: [$t; $n] = std::array::from_fn(|k| $load(v.add(k * $w)));
+                            let vs: [$t; $n] = std::array::from_fn(|k| E::$loadv(v.add(k * $w)));
                             for (g, sums) in sums.iter_mut().enumerate() {
                                 let p = wts[g * stride + i];
                                 if p != 0.0 {
@@ -201,10 +285,10 @@ mod x86 {
                     return Portable::weighted_sum(accs, wts, stride, values, dh);
                 }
                 match accs.len() / dh {
-                    1 => heads::<1>(accs, wts, stride, values, dh),
-                    2 => heads::<2>(accs, wts, stride, values, dh),
-                    3 => heads::<3>(accs, wts, stride, values, dh),
-                    4 => heads::<4>(accs, wts, stride, values, dh),
+                    1 => heads::<1, E>(accs, wts, stride, values, dh),
+                    2 => heads::<2, E>(accs, wts, stride, values, dh),
+                    3 => heads::<3, E>(accs, wts, stride, values, dh),
+                    4 => heads::<4, E>(accs, wts, stride, values, dh),
                     _ => Portable::weighted_sum(accs, wts, stride, values, dh),
                 }
             }
@@ -215,17 +299,14 @@ mod x86 {
 
     impl Lanes for Avx2 {
         #[inline(always)]
-        unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
+        unsafe fn dot<E: Element>(a: &[f32], b: &[E]) -> f32 {
             let (mut lo, mut hi) = (_mm256_setzero_ps(), _mm256_setzero_ps());
             let whole = a.len().min(b.len()) / LANES * LANES;
             let (pa, pb) = (a.as_ptr(), b.as_ptr());
             for c in (0..whole).step_by(LANES) {
-                // SAFETY: `c + 16 <= whole` floats of both slices.
-                let (x0, y0) = (_mm256_loadu_ps(pa.add(c)), _mm256_loadu_ps(pb.add(c)));
-                let (x1, y1) = (
-                    _mm256_loadu_ps(pa.add(c + 8)),
-                    _mm256_loadu_ps(pb.add(c + 8)),
-                );
+                // SAFETY: `c + 16 <= whole` values of both slices.
+                let (x0, y0) = (_mm256_loadu_ps(pa.add(c)), E::load8(pb.add(c)));
+                let (x1, y1) = (_mm256_loadu_ps(pa.add(c + 8)), E::load8(pb.add(c + 8)));
                 lo = _mm256_add_ps(lo, _mm256_mul_ps(x0, y0));
                 hi = _mm256_add_ps(hi, _mm256_mul_ps(x1, y1));
             }
@@ -239,13 +320,13 @@ mod x86 {
 
     impl Lanes for Avx512 {
         #[inline(always)]
-        unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
+        unsafe fn dot<E: Element>(a: &[f32], b: &[E]) -> f32 {
             let mut acc = _mm512_setzero_ps();
             let whole = a.len().min(b.len()) / LANES * LANES;
             let (pa, pb) = (a.as_ptr(), b.as_ptr());
             for c in (0..whole).step_by(LANES) {
-                // SAFETY: `c + 16 <= whole` floats of both slices.
-                let (x, y) = (_mm512_loadu_ps(pa.add(c)), _mm512_loadu_ps(pb.add(c)));
+                // SAFETY: `c + 16 <= whole` values of both slices.
+                let (x, y) = (_mm512_loadu_ps(pa.add(c)), E::load16(pb.add(c)));
                 acc = _mm512_add_ps(acc, _mm512_mul_ps(x, y));
             }
             let high = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(acc)));
@@ -259,8 +340,8 @@ mod x86 {
     ///
     /// # Safety
     ///
-    /// The CPU runs AVX2 and FMA.
-    #[target_feature(enable = "avx2,fma")]
+    /// The CPU runs AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn task_avx2(task: &mut Task, step: &Step) {
         run_task::<Avx2>(task, step)
     }
@@ -269,8 +350,8 @@ mod x86 {
     ///
     /// # Safety
     ///
-    /// The CPU runs AVX-512 F, AVX2 and FMA.
-    #[target_feature(enable = "avx512f,avx2,fma")]
+    /// The CPU runs AVX-512 F, AVX2, FMA and F16C.
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
     pub(super) unsafe fn task_avx512(task: &mut Task, step: &Step) {
         run_task::<Avx512>(task, step)
     }
@@ -282,7 +363,7 @@ fn run_task_on(isa: Isa, task: &mut Task, step: &Step) {
     #[cfg(target_arch = "x86_64")]
     match isa {
         // SAFETY (both): `supported` checked that the CPU runs the set (every `Isa` past
-        // `Portable` includes AVX2 and FMA, and AVX-512 VNNI includes AVX-512 F).
+        // `Portable` includes AVX2, FMA and F16C, and AVX-512 VNNI includes AVX-512 F).
         Isa::Avx512Vnni if isa.supported() => return unsafe { x86::task_avx512(task, step) },
         Isa::Avx2 | Isa::AvxVnni if isa.supported() => {
             return unsafe { x86::task_avx2(task, step) }
@@ -293,8 +374,8 @@ fn run_task_on(isa: Isa, task: &mut Task, step: &Step) {
     unsafe { run_task::<Portable>(task, step) }
 }
 
-/// Floats of key or value rows a task reads per chunk (16 KiB: in the first-level cache
-/// with the rows decoded from f16 or 8 bits).
+/// Values of key or value rows a task reads per chunk (16 KiB as f32: in the first-level
+/// cache with the rows decoded from 8 bits).
 const CHUNK_FLOATS: usize = 4096;
 
 /// Fewest keys in one part of the single-query path: below this, splitting the keys
@@ -483,30 +564,26 @@ struct Step<'a> {
 #[inline(always)]
 unsafe fn run_task<L: Lanes>(task: &mut Task, step: &Step) {
     let Step {
-        q,
         dh,
         group,
-        scale,
         heads,
         masks,
+        ..
     } = *step;
     let rows = &heads[task.kv_head];
     let n = task.keys.len();
     let w = &mut task.weights;
-    // The keys, then the values, a chunk of rows at a time: borrowed where stored as
-    // f32, else decoded into `scratch` while it stays in cache.
+    // The keys, then the values, a chunk of rows at a time: borrowed where stored as f32
+    // or f16, else decoded into `scratch` while it stays in cache.
     let chunk = (CHUNK_FLOATS / dh).max(1);
     let chunks = || (0..n).step_by(chunk).map(move |c| c..(c + chunk).min(n));
     let at = |r: &std::ops::Range<usize>| task.keys.start + r.start..task.keys.start + r.end;
     let mut scratch = Vec::new();
+    let first = task.kv_head * group;
     for c in chunks() {
-        let keys = rows.keys(at(&c), dh, &mut scratch);
-        for (i, k) in c.zip(keys.chunks_exact(dh)) {
-            prefetch(k);
-            for g in 0..group {
-                let h = task.kv_head * group + g;
-                w[g * n + i] = L::dot(&q[h * dh..(h + 1) * dh], k) * scale;
-            }
+        match rows.keys(at(&c), dh, &mut scratch) {
+            Chunk::F32(k) => scores::<L, f32>(w, c, k, first, step),
+            Chunk::F16(k) => scores::<L, f16>(w, c, k, first, step),
         }
     }
     for (g, st) in task.stats.iter_mut().enumerate() {
@@ -524,8 +601,35 @@ unsafe fn run_task<L: Lanes>(task: &mut Task, step: &Step) {
         };
     }
     for c in chunks() {
-        let values = rows.values(at(&c), dh, &mut scratch);
-        L::weighted_sum(&mut task.accs, &w[c.start..], n, values, dh);
+        let (accs, w) = (&mut task.accs, &w[c.start..]);
+        match rows.values(at(&c), dh, &mut scratch) {
+            Chunk::F32(v) => L::weighted_sum(accs, w, n, v, dh),
+            Chunk::F16(v) => L::weighted_sum(accs, w, n, v, dh),
+        }
+    }
+}
+
+/// The scores of keys `c` (their rows `keys`) for the query heads `first..first + group`
+/// into `w` (`group` rows of the task's keys), in `L`.
+///
+/// # Safety
+///
+/// The CPU runs `L`'s instruction set.
+#[inline(always)]
+unsafe fn scores<L: Lanes, E: Element>(
+    w: &mut [f32],
+    c: std::ops::Range<usize>,
+    keys: &[E],
+    first: usize,
+    step: &Step,
+) {
+    let (n, dh) = (w.len() / step.group, step.dh);
+    for (i, k) in c.zip(keys.chunks_exact(dh)) {
+        prefetch(k);
+        for g in 0..step.group {
+            let h = first + g;
+            w[g * n + i] = L::dot(&step.q[h * dh..(h + 1) * dh], k) * step.scale;
+        }
     }
 }
 
@@ -533,12 +637,14 @@ unsafe fn run_task<L: Lanes>(task: &mut Task, step: &Step) {
 /// [`PREFETCH_BYTES`](crate::model::numerics::kernels::PREFETCH_BYTES) past each line of `row`, a row of a KV
 /// head's contiguous keys or values (a hint only: results do not change).
 #[inline(always)]
-fn prefetch(row: &[f32]) {
+fn prefetch<E>(row: &[E]) {
     #[cfg(target_arch = "x86_64")]
-    for line in (0..row.len()).step_by(16) {
+    for line in (0..row.len()).step_by(64 / std::mem::size_of::<E>()) {
         use crate::model::numerics::kernels::PREFETCH_BYTES;
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        let at = row.as_ptr().wrapping_add(line + PREFETCH_BYTES / 4);
+        let at = row
+            .as_ptr()
+            .wrapping_add(line + PREFETCH_BYTES / std::mem::size_of::<E>());
         // SAFETY: a prefetch does not fault or read memory architecturally, whatever the
         // address; SSE is part of every x86-64 CPU.
         unsafe { _mm_prefetch::<_MM_HINT_T0>(at as *const i8) };
