@@ -506,10 +506,13 @@ pub fn run(
                 heads: &watched,
             };
             for v in variants.iter().copied() {
-                if let Some(b) = bar {
-                    b.inc(1);
-                }
                 if done.contains(&(task.name.clone(), item.id.clone(), v.name.clone())) {
+                    // An earlier run's answer: counted, and the time estimate restarted
+                    // so that it reflects only answers generated.
+                    if let Some(b) = bar {
+                        b.inc(1);
+                        b.reset_eta();
+                    }
                     continue;
                 }
                 let opts = AnswerOptions {
@@ -534,6 +537,9 @@ pub fn run(
                 };
                 append_jsonl(&mut file, &path, &record)?;
                 generated += 1;
+                if let Some(b) = bar {
+                    b.inc(1);
+                }
             }
         }
     }

@@ -387,7 +387,12 @@ pub fn run(
             .filter(|(p, _)| !done.contains(&(task.clone(), ex.id.clone(), p.name.clone())))
             .collect();
         if let Some(bar) = bar {
-            bar.inc((plans.len() - todo.len()) as u64);
+            // Answers of an earlier run: counted, and the time estimate restarted so
+            // that it reflects only answers generated.
+            if todo.len() < plans.len() {
+                bar.inc((plans.len() - todo.len()) as u64);
+                bar.reset_eta();
+            }
             bar.set_message(format!("{task} {}", ex.id));
         }
         if todo.is_empty() {

@@ -253,10 +253,20 @@ struct Records<'b> {
 }
 
 impl Records<'_> {
-    /// One more answer accounted for.
-    fn tick(&self) {
+    /// `n` more answers generated (a batch's, at once: the bar's time estimate then sees
+    /// the batch's rate, not one answer per batch).
+    fn tick(&self, n: usize) {
         if let Some(bar) = self.bar {
-            bar.inc(1);
+            bar.inc(n as u64);
+        }
+    }
+
+    /// `n` answers accounted for without running (from an earlier run, or skipped): the
+    /// time estimate restarts, so that it reflects only answers generated.
+    fn skip(&self, n: usize) {
+        if let (Some(bar), true) = (self.bar, n > 0) {
+            bar.inc(n as u64);
+            bar.reset_eta();
         }
     }
 }
@@ -534,36 +544,39 @@ impl<'a> Runner<'a> {
             // The baselines: whether a control item is kept comes from its record.
             let mut kept: BTreeMap<String, Option<bool>> = BTreeMap::new();
             let mut todo = Vec::new();
+            let mut skipped = 0;
             for ex in &task.examples {
                 let u = self.unit(task, ex, None);
                 match done.get(&u.key) {
                     Some(r) => {
                         kept.insert(ex.id.clone(), r.kept);
                         out.stats.resumed += 1;
-                        out.tick();
+                        skipped += 1;
                     }
                     None => todo.push(u),
                 }
             }
+            out.skip(skipped);
             for r in self.answer_all(task, &todo, &mut out)? {
                 kept.insert(r.example, r.kept);
             }
             // The settings of every example kept.
-            let mut todo = Vec::new();
+            let (mut todo, mut skipped) = (Vec::new(), 0);
             for ex in &task.examples {
                 for &i in &task.settings {
                     let u = self.unit(task, ex, Some(i));
                     if kept.get(&ex.id).copied().flatten() == Some(false) {
                         out.stats.filtered += 1;
-                        out.tick();
+                        skipped += 1;
                     } else if done.contains_key(&u.key) {
                         out.stats.resumed += 1;
-                        out.tick();
+                        skipped += 1;
                     } else {
                         todo.push(u);
                     }
                 }
             }
+            out.skip(skipped);
             self.answer_all(task, &todo, &mut out)?;
         }
         out.stats.secs = t0.elapsed().as_secs_f64();
@@ -645,9 +658,9 @@ impl<'a> Runner<'a> {
                 };
                 append_jsonl(&mut out.file, &out.path, &record)?;
                 out.stats.generated += 1;
-                out.tick();
                 records.push(record);
             }
+            out.tick(chunk.len());
         }
         Ok(records)
     }
@@ -922,6 +935,33 @@ impl<'d> Sources<'d> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_time_estimate_sees_a_batchs_answers_and_not_the_resumed_ones() {
+        // 100 answers from an earlier run, then a batch of 8 generated in about 0.2 s:
+        // the rate the bar estimates is the batch's (8 answers over its time), not one
+        // answer per batch, nor the instant resumed ones.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("records.jsonl");
+        let bar = ProgressBar::hidden();
+        bar.set_length(1000);
+        let out = Records {
+            file: open_append(&path).unwrap(),
+            path,
+            stats: RunStats::default(),
+            bar: Some(&bar),
+        };
+        out.skip(100);
+        let t0 = Instant::now();
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        out.tick(8);
+        let answers_in_batch_time = bar.per_sec() * t0.elapsed().as_secs_f64();
+        assert_eq!(bar.position(), 108);
+        assert!(
+            (4.0..16.0).contains(&answers_in_batch_time),
+            "{answers_in_batch_time}"
+        );
+    }
 
     #[test]
     fn shards_parse_and_reject_nonsense() {
