@@ -8,7 +8,7 @@ use std::ops::Range;
 use candle_core::{Device, Storage, Tensor};
 use half::f16;
 
-use crate::model::cache::rows::Run;
+use crate::model::cache::rows::{widen, Run};
 use crate::{Error, Result};
 
 /// One KV head's stored rows: `len` key rows and `len` value rows of
@@ -164,11 +164,15 @@ pub(crate) enum Chunk<'s> {
 }
 
 impl Chunk<'_> {
-    /// The rows as f32 (copied; f16 widened).
+    /// The rows as f32 (copied; f16 widened as the stores widen them).
     fn to_f32(self) -> Vec<f32> {
         match self {
             Chunk::F32(v) => v.to_vec(),
-            Chunk::F16(v) => v.iter().map(|x| x.to_f32()).collect(),
+            Chunk::F16(v) => {
+                let mut out = vec![0f32; v.len()];
+                widen(v, &mut out);
+                out
+            }
         }
     }
 }

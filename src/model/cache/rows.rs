@@ -245,7 +245,7 @@ impl<'a> Run<'a> {
 
 /// `src` widened to f32 into `dst` (an exact conversion): eight values per instruction
 /// where the CPU has F16C, else one at a time.
-fn widen(src: &[f16], dst: &mut [f32]) {
+pub(crate) fn widen(src: &[f16], dst: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("f16c") && std::arch::is_x86_feature_detected!("avx") {
         // SAFETY: the CPU runs F16C and AVX.
