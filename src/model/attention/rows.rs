@@ -104,14 +104,6 @@ impl<'a> StoredRows<'a> {
         self.len
     }
 
-    /// Whether any part holds 8-bit rows.
-    pub(crate) fn has_q8(&self) -> bool {
-        self.keys
-            .iter()
-            .chain(&self.values)
-            .any(|r| matches!(r, Run::Q8 { .. }))
-    }
-
     /// Key rows `range` (`range.len() * dh` values): borrowed where they lie in one part
     /// stored as f32, f16 or 8 bits in whole blocks (`dh` a multiple of [`Q8_BLOCK`]; the
     /// scales widened into `scratch`), else decoded (or copied) into `scratch`.

@@ -466,9 +466,8 @@ mod x86 {
     ///
     /// The CPU runs AVX2, FMA and F16C.
     #[target_feature(enable = "avx2,fma,f16c")]
-    #[inline(never)]
-    pub(super) unsafe fn task_avx2<const Q8: bool>(task: &mut Task, step: &Step) {
-        run_task::<Avx2, Q8>(task, step)
+    pub(super) unsafe fn task_avx2(task: &mut Task, step: &Step) {
+        run_task::<Avx2>(task, step)
     }
 
     /// [`run_task`] in AVX-512.
@@ -477,39 +476,26 @@ mod x86 {
     ///
     /// The CPU runs AVX-512 F, AVX2, FMA and F16C.
     #[target_feature(enable = "avx512f,avx2,fma,f16c")]
-    #[inline(never)]
-    pub(super) unsafe fn task_avx512<const Q8: bool>(task: &mut Task, step: &Step) {
-        run_task::<Avx512, Q8>(task, step)
+    pub(super) unsafe fn task_avx512(task: &mut Task, step: &Step) {
+        run_task::<Avx512>(task, step)
     }
 }
 
 /// One task of [`decode_rows_on`] on the widest vectors `isa` allows (the portable loop
-/// if the CPU lacks it), with the same floats on each: compiled apart for a KV head with
-/// 8-bit rows, so that the f32 and f16 loops are the code they were before 8-bit rows were
-/// read in place (the same registers, no more spills; measured in the engine bench).
+/// if the CPU lacks it), with the same floats on each.
 fn run_task_on(isa: Isa, task: &mut Task, step: &Step) {
-    if step.heads[task.kv_head].has_q8() {
-        run_task_as::<true>(isa, task, step)
-    } else {
-        run_task_as::<false>(isa, task, step)
-    }
-}
-
-/// [`run_task_on`] for KV heads with (`Q8`) or without 8-bit rows.
-#[inline(always)]
-fn run_task_as<const Q8: bool>(isa: Isa, task: &mut Task, step: &Step) {
     #[cfg(target_arch = "x86_64")]
     match isa {
         // SAFETY (both): `supported` checked that the CPU runs the set (every `Isa` past
         // `Portable` includes AVX2, FMA and F16C, and AVX-512 VNNI includes AVX-512 F).
-        Isa::Avx512Vnni if isa.supported() => return unsafe { x86::task_avx512::<Q8>(task, step) },
+        Isa::Avx512Vnni if isa.supported() => return unsafe { x86::task_avx512(task, step) },
         Isa::Avx2 | Isa::AvxVnni if isa.supported() => {
-            return unsafe { x86::task_avx2::<Q8>(task, step) }
+            return unsafe { x86::task_avx2(task, step) }
         }
         _ => {}
     }
     // SAFETY: the portable loop runs everywhere.
-    unsafe { run_task::<Portable, Q8>(task, step) }
+    unsafe { run_task::<Portable>(task, step) }
 }
 
 /// Values of key or value rows a task reads per chunk (16 KiB as f32: in the first-level
@@ -694,14 +680,13 @@ struct Step<'a> {
 }
 
 /// One task of [`decode_rows`]: scores, softmax statistics and weighted value sums of
-/// its part of the keys for every query head of its KV head, its dot products in `L`;
-/// 8-bit rows read in place only when `Q8` (else its KV head has none).
+/// its part of the keys for every query head of its KV head, its dot products in `L`.
 ///
 /// # Safety
 ///
 /// The CPU runs `L`'s instruction set.
 #[inline(always)]
-unsafe fn run_task<L: Lanes, const Q8: bool>(task: &mut Task, step: &Step) {
+unsafe fn run_task<L: Lanes>(task: &mut Task, step: &Step) {
     let Step {
         dh,
         group,
@@ -724,8 +709,7 @@ unsafe fn run_task<L: Lanes, const Q8: bool>(task: &mut Task, step: &Step) {
         match rows.keys(at(&c), dh, &mut scratch) {
             Chunk::F32(k) => scores::<L, f32, _>(w, c, k, Unscaled, first, step),
             Chunk::F16(k) => scores::<L, f16, _>(w, c, k, Unscaled, first, step),
-            Chunk::Q8 { q, scales } if Q8 => scores::<L, i8, _>(w, c, q, scales, first, step),
-            Chunk::Q8 { .. } => unreachable!("8-bit keys in a task for rows without them"),
+            Chunk::Q8 { q, scales } => scores::<L, i8, _>(w, c, q, scales, first, step),
         }
     }
     for (g, st) in task.stats.iter_mut().enumerate() {
@@ -747,8 +731,7 @@ unsafe fn run_task<L: Lanes, const Q8: bool>(task: &mut Task, step: &Step) {
         match rows.values(at(&c), dh, &mut scratch) {
             Chunk::F32(v) => L::weighted_sum(accs, w, n, v, Unscaled, dh),
             Chunk::F16(v) => L::weighted_sum(accs, w, n, v, Unscaled, dh),
-            Chunk::Q8 { q, scales } if Q8 => L::weighted_sum(accs, w, n, q, scales, dh),
-            Chunk::Q8 { .. } => unreachable!("8-bit values in a task for rows without them"),
+            Chunk::Q8 { q, scales } => L::weighted_sum(accs, w, n, q, scales, dh),
         }
     }
 }
