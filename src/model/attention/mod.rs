@@ -137,7 +137,7 @@ impl Path {
 mod tests {
     use candle_core::{Device, Tensor};
 
-    use super::single_query::{decode_rows_on, dot_lanes, Unscaled};
+    use super::single_query::{decode_rows_on, dot_lanes};
     use super::*;
     use crate::model::numerics::ggml;
     use crate::model::numerics::kernels::Isa;
@@ -148,10 +148,7 @@ mod tests {
             let a: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
             let b: Vec<f32> = (0..n).map(|i| (i as f32 * 0.11).cos()).collect();
             let want: f64 = a.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
-            assert!(
-                (dot_lanes(&a, &b, Unscaled) as f64 - want).abs() < 1e-4,
-                "n {n}"
-            );
+            assert!((dot_lanes(&a, &b) as f64 - want).abs() < 1e-4, "n {n}");
         }
     }
 
@@ -210,18 +207,16 @@ mod tests {
 
     #[test]
     fn f16_and_8_bit_rows_read_in_place_give_the_bits_of_the_rows_decoded_first() {
-        // A decode step over a store's f16 or q8_0 rows, widened as it reads them (or
-        // decoded a chunk at a time where an 8-bit row ends in a short block), against the same rows decoded to f32 whole beforehand (as the
+        // A decode step over a store's f16 or q8_0 rows, decoded a chunk at a time as it
+        // reads them, against the same rows decoded to f32 whole beforehand (as the
         // other attention paths read them), on every instruction set; the rows in two
         // parts (a shared prefix of 37 rows, then the head's own), so that a chunk
         // straddles the parts.
         use crate::model::cache::rows::Rows;
         use crate::model::RowFormat;
         let (nh, nkv, len) = (6, 2, 300);
-        // 72: a dot product's remainder, the portable value sums and 8-bit rows ending in
-        // a short block; 96: 8-bit blocks read in place by the portable value sums of a
-        // vector width whose runs (64 floats) do not divide the row.
-        for dh in [64, 72, 96, 256] {
+        // 72: a dot product's remainder and the portable value sums.
+        for dh in [64, 72, 256] {
             let randn = |n: usize| -> Vec<f32> {
                 let t = Tensor::randn(0f32, 1.0, (n,), &Device::Cpu).unwrap();
                 t.to_vec1().unwrap()

@@ -8,7 +8,7 @@ use std::ops::Range;
 use candle_core::{Device, Storage, Tensor};
 use half::f16;
 
-use crate::model::cache::rows::{widen, Run, Q8_BLOCK};
+use crate::model::cache::rows::{widen, Run};
 use crate::{Error, Result};
 
 /// One KV head's stored rows: `len` key rows and `len` value rows of
@@ -105,8 +105,7 @@ impl<'a> StoredRows<'a> {
     }
 
     /// Key rows `range` (`range.len() * dh` values): borrowed where they lie in one part
-    /// stored as f32, f16 or 8 bits in whole blocks (`dh` a multiple of [`Q8_BLOCK`]; the
-    /// scales widened into `scratch`), else decoded (or copied) into `scratch`.
+    /// stored as f32 or f16, else decoded (or copied) into `scratch`.
     #[inline]
     pub(crate) fn keys<'s>(
         &'s self,
@@ -145,19 +144,6 @@ impl<'a> StoredRows<'a> {
         match whole {
             Some((Run::F32(v), r)) => return Chunk::F32(&v[r.start * dh..r.end * dh]),
             Some((Run::F16(v), r)) => return Chunk::F16(&v[r.start * dh..r.end * dh]),
-            Some((Run::Q8 { q, scales }, r)) if dh.is_multiple_of(Q8_BLOCK) => {
-                let blocks = dh / Q8_BLOCK;
-                scratch.clear();
-                scratch.extend(
-                    scales[r.start * blocks..r.end * blocks]
-                        .iter()
-                        .map(|s| s.to_f32()),
-                );
-                return Chunk::Q8 {
-                    q: &q[r.start * dh..r.end * dh],
-                    scales: scratch,
-                };
-            }
             _ => {}
         }
         scratch.clear();
@@ -169,18 +155,12 @@ impl<'a> StoredRows<'a> {
     }
 }
 
-/// Rows of one [`StoredRows`] read: f32 (borrowed or decoded), or f16 or 8-bit values
-/// borrowed as stored, which a decode task widens as it loads them (8-bit values then
-/// times their block's scale, as [`Run::read`] decodes them).
+/// Rows of one [`StoredRows`] read: f32 (borrowed or decoded), or f16 borrowed as stored,
+/// which a decode task widens as it loads them (an exact conversion).
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum Chunk<'s> {
     F32(&'s [f32]),
     F16(&'s [f16]),
-    /// Rows of whole [`Q8_BLOCK`]s: `q` the values, `scales` one per block, widened.
-    Q8 {
-        q: &'s [i8],
-        scales: &'s [f32],
-    },
 }
 
 impl Chunk<'_> {
@@ -193,11 +173,6 @@ impl Chunk<'_> {
                 widen(v, &mut out);
                 out
             }
-            Chunk::Q8 { q, scales } => q
-                .iter()
-                .enumerate()
-                .map(|(i, &x)| x as f32 * scales[i / Q8_BLOCK])
-                .collect(),
         }
     }
 }

@@ -3,16 +3,14 @@
 //! spends most of its time packing operands). The dot products and the weighted value
 //! sums are written once per vector width (portable, AVX2, AVX-512: [`Lanes`]), each task
 //! compiled for the widest one the CPU runs and chosen at run time ([`Isa`]), with the
-//! same floats on each. Keys and values stored as f16 or 8 bits are widened in the
-//! registers they are loaded into ([`Element`]), 8-bit values then multiplied by their
-//! block's scale ([`Scales`]), so their floats are those of the rows decoded first.
+//! same floats on each. Keys and values stored as f16 are widened in the registers they
+//! are loaded into ([`Element`]), so their floats are those of the rows widened first.
 
 use candle_core::{Device, Tensor};
 use half::f16;
 use rayon::prelude::*;
 
 use super::rows::{mask_values, with_data, Chunk, Kv, Shapes, StoredRows};
-use crate::model::cache::rows::Q8_BLOCK;
 use crate::model::numerics::fast_exp;
 use crate::model::numerics::kernels::Isa;
 use crate::model::numerics::PARTITION_THREADS;
@@ -21,9 +19,8 @@ use crate::Result;
 /// Lanes of the vectorised dot product.
 const LANES: usize = 16;
 
-/// A type KV rows are stored in that the decode task reads in place: f32, f16 widened as
-/// it is loaded (an exact conversion), or the 8-bit values of `q8_0` blocks converted to
-/// f32 (exact; their scales are [`Scales`]).
+/// A type KV rows are stored in that the decode task reads in place: f32, or f16 widened
+/// as it is loaded (an exact conversion).
 pub(super) trait Element: Copy {
     /// The value as f32.
     fn widen(self) -> f32;
@@ -85,140 +82,32 @@ impl Element for f16 {
     }
 }
 
-impl Element for i8 {
-    #[inline(always)]
-    fn widen(self) -> f32 {
-        self as f32
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn load8(p: *const i8) -> std::arch::x86_64::__m256 {
-        use std::arch::x86_64::{_mm256_cvtepi32_ps, _mm256_cvtepi8_epi32, _mm_loadl_epi64};
-        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p.cast())))
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn load16(p: *const i8) -> std::arch::x86_64::__m512 {
-        use std::arch::x86_64::{_mm512_cvtepi32_ps, _mm512_cvtepi8_epi32, _mm_loadu_si128};
-        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.cast())))
-    }
-}
-
-/// The per-block scales of rows a decode task reads in place: none for f32 and f16 rows
-/// ([`Unscaled`], which compiles to nothing), one per [`Q8_BLOCK`] values for `q8_0`
-/// rows (`&[f32]`, the chunk's f16 scales widened, rows of `d_head / Q8_BLOCK`). A value
-/// is its widened [`Element`] times its block's scale, one rounding, as the stores
-/// decode it.
-pub(super) trait Scales: Copy {
-    /// The scales of row `r` of rows of `dh` values.
-    fn row(self, r: usize, dh: usize) -> Self;
-
-    /// `x`, the value at offset `i` of its row, scaled.
-    fn apply(self, x: f32, i: usize) -> f32;
-
-    /// The eight values at offset `i` of their row (`i` a multiple of 8), scaled.
-    ///
-    /// # Safety
-    ///
-    /// `i` lies in the row; the CPU runs AVX.
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn apply8(self, v: std::arch::x86_64::__m256, i: usize) -> std::arch::x86_64::__m256;
-
-    /// The sixteen values at offset `i` of their row (`i` a multiple of 16), scaled.
-    ///
-    /// # Safety
-    ///
-    /// `i` lies in the row; the CPU runs AVX-512 F.
-    #[cfg(target_arch = "x86_64")]
-    unsafe fn apply16(self, v: std::arch::x86_64::__m512, i: usize) -> std::arch::x86_64::__m512;
-}
-
-/// No scales: f32 and f16 rows.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct Unscaled;
-
-impl Scales for Unscaled {
-    #[inline(always)]
-    fn row(self, _: usize, _: usize) -> Self {
-        self
-    }
-
-    #[inline(always)]
-    fn apply(self, x: f32, _: usize) -> f32 {
-        x
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn apply8(self, v: std::arch::x86_64::__m256, _: usize) -> std::arch::x86_64::__m256 {
-        v
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn apply16(self, v: std::arch::x86_64::__m512, _: usize) -> std::arch::x86_64::__m512 {
-        v
-    }
-}
-
-impl Scales for &[f32] {
-    #[inline(always)]
-    fn row(self, r: usize, dh: usize) -> Self {
-        let blocks = dh / Q8_BLOCK;
-        &self[r * blocks..(r + 1) * blocks]
-    }
-
-    #[inline(always)]
-    fn apply(self, x: f32, i: usize) -> f32 {
-        x * self[i / Q8_BLOCK]
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn apply8(self, v: std::arch::x86_64::__m256, i: usize) -> std::arch::x86_64::__m256 {
-        use std::arch::x86_64::{_mm256_mul_ps, _mm256_set1_ps};
-        // SAFETY: the caller keeps `i` in the row, whose blocks these scales are.
-        _mm256_mul_ps(v, _mm256_set1_ps(*self.get_unchecked(i / Q8_BLOCK)))
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[inline(always)]
-    unsafe fn apply16(self, v: std::arch::x86_64::__m512, i: usize) -> std::arch::x86_64::__m512 {
-        use std::arch::x86_64::{_mm512_mul_ps, _mm512_set1_ps};
-        // SAFETY: as in `apply8`.
-        _mm512_mul_ps(v, _mm512_set1_ps(*self.get_unchecked(i / Q8_BLOCK)))
-    }
-}
-
 /// The decode task's vector arithmetic, one implementation per vector width, all with
 /// the same floats. The dot product keeps [`LANES`] interleaved accumulators: lane `i`
 /// sums `a[16c + i] * b[16c + i]` over the whole chunks `c` (a multiply, then an add: no
 /// fused multiply-add), the lanes are halved pairwise (`acc[i] += acc[i + w]` for `w` =
 /// 8, 4, 2, 1), and the remainder's plain sum is added last.
 trait Lanes {
-    /// `a . b` (equal lengths), `b`'s values scaled by `s`.
+    /// `a . b` (equal lengths).
     ///
     /// # Safety
     ///
     /// The CPU runs the implementation's instruction set.
-    unsafe fn dot<E: Element, S: Scales>(a: &[f32], b: &[E], s: S) -> f32;
+    unsafe fn dot<E: Element>(a: &[f32], b: &[E]) -> f32;
 
     /// For each query head `g` of a group, `accs[g] += w[g * stride + i] * values[i]`
     /// over the value rows in order, skipping zero weights, lane by lane (a multiply,
-    /// then an add): `accs` `(group, d_head)`, `values` `(rows, d_head)` scaled by
-    /// `scales`. Rows summed in several calls give the floats of one call over them all.
+    /// then an add): `accs` `(group, d_head)`, `values` `(rows, d_head)`. Rows summed in
+    /// several calls give the floats of one call over them all.
     ///
     /// # Safety
     ///
     /// The CPU runs the implementation's instruction set.
-    unsafe fn weighted_sum<E: Element, S: Scales>(
+    unsafe fn weighted_sum<E: Element>(
         accs: &mut [f32],
         w: &[f32],
         stride: usize,
         values: &[E],
-        scales: S,
         dh: usize,
     );
 }
@@ -228,29 +117,24 @@ struct Portable;
 
 impl Lanes for Portable {
     #[inline(always)]
-    unsafe fn dot<E: Element, S: Scales>(a: &[f32], b: &[E], s: S) -> f32 {
-        dot_lanes(a, b, s)
+    unsafe fn dot<E: Element>(a: &[f32], b: &[E]) -> f32 {
+        dot_lanes(a, b)
     }
 
     #[inline(always)]
-    unsafe fn weighted_sum<E: Element, S: Scales>(
+    unsafe fn weighted_sum<E: Element>(
         accs: &mut [f32],
         w: &[f32],
         stride: usize,
         values: &[E],
-        scales: S,
         dh: usize,
     ) {
         for (i, v) in values.chunks_exact(dh).enumerate() {
             prefetch(v);
-            let s = scales.row(i, dh);
             for (g, acc) in accs.chunks_exact_mut(dh).enumerate() {
                 let p = w[g * stride + i];
                 if p != 0.0 {
-                    acc.iter_mut()
-                        .zip(v)
-                        .enumerate()
-                        .for_each(|(j, (a, x))| *a += p * s.apply(x.widen(), j));
+                    acc.iter_mut().zip(v).for_each(|(a, x)| *a += p * x.widen());
                 }
             }
         }
@@ -259,23 +143,22 @@ impl Lanes for Portable {
 
 /// The remainder of `a . b` past its whole chunks of [`LANES`], summed in order.
 #[inline(always)]
-fn tail<E: Element, S: Scales>(a: &[f32], b: &[E], s: S) -> f32 {
+fn tail<E: Element>(a: &[f32], b: &[E]) -> f32 {
     let whole = a.len() / LANES * LANES;
     a[whole..]
         .iter()
         .zip(&b[whole..])
-        .enumerate()
-        .map(|(j, (x, y))| x * s.apply(y.widen(), whole + j))
+        .map(|(x, y)| x * y.widen())
         .sum()
 }
 
 /// Dot product with [`LANES`] independent accumulators, the reference loop of [`Lanes`].
 #[inline(always)]
-pub(super) fn dot_lanes<E: Element, S: Scales>(a: &[f32], b: &[E], s: S) -> f32 {
+pub(super) fn dot_lanes<E: Element>(a: &[f32], b: &[E]) -> f32 {
     let mut acc = [0f32; LANES];
-    for (c, (x, y)) in a.chunks_exact(LANES).zip(b.chunks_exact(LANES)).enumerate() {
+    for (x, y) in a.chunks_exact(LANES).zip(b.chunks_exact(LANES)) {
         for i in 0..LANES {
-            acc[i] += x[i] * s.apply(y[i].widen(), c * LANES + i);
+            acc[i] += x[i] * y[i].widen();
         }
     }
     let mut width = LANES / 2;
@@ -285,7 +168,7 @@ pub(super) fn dot_lanes<E: Element, S: Scales>(a: &[f32], b: &[E], s: S) -> f32 
         }
         width /= 2;
     }
-    acc[0] + tail(a, b, s)
+    acc[0] + tail(a, b)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -297,18 +180,18 @@ mod x86 {
 
     use std::arch::x86_64::*;
 
-    use super::{prefetch, run_task, tail, Element, Lanes, Portable, Scales, Step, Task, LANES};
+    use super::{prefetch, run_task, tail, Element, Lanes, Portable, Step, Task, LANES};
 
     /// Lanes 0-7 of the accumulators halved down to lane 0, then the remainder added.
     #[inline(always)]
-    unsafe fn finish<E: Element, S: Scales>(low8: __m256, a: &[f32], b: &[E], s: S) -> f32 {
+    unsafe fn finish<E: Element>(low8: __m256, a: &[f32], b: &[E]) -> f32 {
         let four = _mm_add_ps(
             _mm256_castps256_ps128(low8),
             _mm256_extractf128_ps::<1>(low8),
         );
         let two = _mm_add_ps(four, _mm_movehl_ps(four, four));
         let one = _mm_add_ss(two, _mm_movehdup_ps(two));
-        _mm_cvtss_f32(one) + tail(a, b, s)
+        _mm_cvtss_f32(one) + tail(a, b)
     }
 
     /// [`Lanes::weighted_sum`] in vectors of `$w` floats, `$n` of them per run of the
@@ -326,7 +209,6 @@ mod x86 {
                 _mm256_set1_ps,
                 _mm256_loadu_ps,
                 load8,
-                apply8,
                 _mm256_storeu_ps,
                 _mm256_add_ps,
                 _mm256_mul_ps
@@ -341,30 +223,27 @@ mod x86 {
                 _mm512_set1_ps,
                 _mm512_loadu_ps,
                 load16,
-                apply16,
                 _mm512_storeu_ps,
                 _mm512_add_ps,
                 _mm512_mul_ps
             );
         };
         ($t:ty, $w:literal, $n:literal, $zero:ident, $splat:ident, $load:ident,
-         $loadv:ident, $scale:ident, $store:ident, $add:ident, $mul:ident) => {
+         $loadv:ident, $store:ident, $add:ident, $mul:ident) => {
             #[inline(always)]
-            unsafe fn weighted_sum<E: Element, S: Scales>(
+            unsafe fn weighted_sum<E: Element>(
                 accs: &mut [f32],
                 wts: &[f32],
                 stride: usize,
                 values: &[E],
-                scales: S,
                 dh: usize,
             ) {
                 #[inline(always)]
-                unsafe fn heads<const G: usize, E: Element, S: Scales>(
+                unsafe fn heads<const G: usize, E: Element>(
                     accs: &mut [f32],
                     wts: &[f32],
                     stride: usize,
                     values: &[E],
-                    scales: S,
                     dh: usize,
                 ) {
                     // SAFETY (the pointer arithmetic): `accs` holds `G` rows of `dh`
@@ -382,10 +261,8 @@ mod x86 {
                             if c == 0 {
                                 prefetch(v);
                             }
-                            let (v, s) = (v.as_ptr().add(c), scales.row(i, dh));
-                            let vs: [$t; $n] = std::array::from_fn(|k| {
-                                s.$scale(E::$loadv(v.add(k * $w)), c + k * $w)
-                            });
+                            let v = v.as_ptr().add(c);
+                            let vs: [$t; $n] = std::array::from_fn(|k| E::$loadv(v.add(k * $w)));
                             for (g, sums) in sums.iter_mut().enumerate() {
                                 let p = wts[g * stride + i];
                                 if p != 0.0 {
@@ -405,14 +282,14 @@ mod x86 {
                     }
                 }
                 if dh % ($w * $n) != 0 {
-                    return Portable::weighted_sum(accs, wts, stride, values, scales, dh);
+                    return Portable::weighted_sum(accs, wts, stride, values, dh);
                 }
                 match accs.len() / dh {
-                    1 => heads::<1, E, S>(accs, wts, stride, values, scales, dh),
-                    2 => heads::<2, E, S>(accs, wts, stride, values, scales, dh),
-                    3 => heads::<3, E, S>(accs, wts, stride, values, scales, dh),
-                    4 => heads::<4, E, S>(accs, wts, stride, values, scales, dh),
-                    _ => Portable::weighted_sum(accs, wts, stride, values, scales, dh),
+                    1 => heads::<1, E>(accs, wts, stride, values, dh),
+                    2 => heads::<2, E>(accs, wts, stride, values, dh),
+                    3 => heads::<3, E>(accs, wts, stride, values, dh),
+                    4 => heads::<4, E>(accs, wts, stride, values, dh),
+                    _ => Portable::weighted_sum(accs, wts, stride, values, dh),
                 }
             }
         };
@@ -422,7 +299,7 @@ mod x86 {
 
     impl Lanes for Avx2 {
         #[inline(always)]
-        unsafe fn dot<E: Element, S: Scales>(a: &[f32], b: &[E], s: S) -> f32 {
+        unsafe fn dot<E: Element>(a: &[f32], b: &[E]) -> f32 {
             let (mut lo, mut hi) = (_mm256_setzero_ps(), _mm256_setzero_ps());
             let whole = a.len().min(b.len()) / LANES * LANES;
             let (pa, pb) = (a.as_ptr(), b.as_ptr());
@@ -430,11 +307,10 @@ mod x86 {
                 // SAFETY: `c + 16 <= whole` values of both slices.
                 let (x0, y0) = (_mm256_loadu_ps(pa.add(c)), E::load8(pb.add(c)));
                 let (x1, y1) = (_mm256_loadu_ps(pa.add(c + 8)), E::load8(pb.add(c + 8)));
-                let (y0, y1) = (s.apply8(y0, c), s.apply8(y1, c + 8));
                 lo = _mm256_add_ps(lo, _mm256_mul_ps(x0, y0));
                 hi = _mm256_add_ps(hi, _mm256_mul_ps(x1, y1));
             }
-            finish(_mm256_add_ps(lo, hi), a, b, s)
+            finish(_mm256_add_ps(lo, hi), a, b)
         }
 
         weighted_sum!(__m256);
@@ -444,17 +320,17 @@ mod x86 {
 
     impl Lanes for Avx512 {
         #[inline(always)]
-        unsafe fn dot<E: Element, S: Scales>(a: &[f32], b: &[E], s: S) -> f32 {
+        unsafe fn dot<E: Element>(a: &[f32], b: &[E]) -> f32 {
             let mut acc = _mm512_setzero_ps();
             let whole = a.len().min(b.len()) / LANES * LANES;
             let (pa, pb) = (a.as_ptr(), b.as_ptr());
             for c in (0..whole).step_by(LANES) {
                 // SAFETY: `c + 16 <= whole` values of both slices.
                 let (x, y) = (_mm512_loadu_ps(pa.add(c)), E::load16(pb.add(c)));
-                acc = _mm512_add_ps(acc, _mm512_mul_ps(x, s.apply16(y, c)));
+                acc = _mm512_add_ps(acc, _mm512_mul_ps(x, y));
             }
             let high = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(acc)));
-            finish(_mm256_add_ps(_mm512_castps512_ps256(acc), high), a, b, s)
+            finish(_mm256_add_ps(_mm512_castps512_ps256(acc), high), a, b)
         }
 
         weighted_sum!(__m512);
@@ -697,9 +573,8 @@ unsafe fn run_task<L: Lanes>(task: &mut Task, step: &Step) {
     let rows = &heads[task.kv_head];
     let n = task.keys.len();
     let w = &mut task.weights;
-    // The keys, then the values, a chunk of rows at a time: borrowed where stored as f32,
-    // f16 or 8 bits in whole blocks (their scales widened into `scratch`), else decoded
-    // into `scratch` while it stays in cache.
+    // The keys, then the values, a chunk of rows at a time: borrowed where stored as f32
+    // or f16, else decoded into `scratch` while it stays in cache.
     let chunk = (CHUNK_FLOATS / dh).max(1);
     let chunks = || (0..n).step_by(chunk).map(move |c| c..(c + chunk).min(n));
     let at = |r: &std::ops::Range<usize>| task.keys.start + r.start..task.keys.start + r.end;
@@ -707,9 +582,8 @@ unsafe fn run_task<L: Lanes>(task: &mut Task, step: &Step) {
     let first = task.kv_head * group;
     for c in chunks() {
         match rows.keys(at(&c), dh, &mut scratch) {
-            Chunk::F32(k) => scores::<L, f32, _>(w, c, k, Unscaled, first, step),
-            Chunk::F16(k) => scores::<L, f16, _>(w, c, k, Unscaled, first, step),
-            Chunk::Q8 { q, scales } => scores::<L, i8, _>(w, c, q, scales, first, step),
+            Chunk::F32(k) => scores::<L, f32>(w, c, k, first, step),
+            Chunk::F16(k) => scores::<L, f16>(w, c, k, first, step),
         }
     }
     for (g, st) in task.stats.iter_mut().enumerate() {
@@ -729,35 +603,32 @@ unsafe fn run_task<L: Lanes>(task: &mut Task, step: &Step) {
     for c in chunks() {
         let (accs, w) = (&mut task.accs, &w[c.start..]);
         match rows.values(at(&c), dh, &mut scratch) {
-            Chunk::F32(v) => L::weighted_sum(accs, w, n, v, Unscaled, dh),
-            Chunk::F16(v) => L::weighted_sum(accs, w, n, v, Unscaled, dh),
-            Chunk::Q8 { q, scales } => L::weighted_sum(accs, w, n, q, scales, dh),
+            Chunk::F32(v) => L::weighted_sum(accs, w, n, v, dh),
+            Chunk::F16(v) => L::weighted_sum(accs, w, n, v, dh),
         }
     }
 }
 
-/// The scores of keys `c` (their rows `keys`, scaled by `scales`) for the query heads
-/// `first..first + group` into `w` (`group` rows of the task's keys), in `L`.
+/// The scores of keys `c` (their rows `keys`) for the query heads `first..first + group`
+/// into `w` (`group` rows of the task's keys), in `L`.
 ///
 /// # Safety
 ///
 /// The CPU runs `L`'s instruction set.
 #[inline(always)]
-unsafe fn scores<L: Lanes, E: Element, S: Scales>(
+unsafe fn scores<L: Lanes, E: Element>(
     w: &mut [f32],
     c: std::ops::Range<usize>,
     keys: &[E],
-    scales: S,
     first: usize,
     step: &Step,
 ) {
     let (n, dh) = (w.len() / step.group, step.dh);
-    for (r, (i, k)) in c.zip(keys.chunks_exact(dh)).enumerate() {
+    for (i, k) in c.zip(keys.chunks_exact(dh)) {
         prefetch(k);
-        let s = scales.row(r, dh);
         for g in 0..step.group {
             let h = first + g;
-            w[g * n + i] = L::dot(&step.q[h * dh..(h + 1) * dh], k, s) * step.scale;
+            w[g * n + i] = L::dot(&step.q[h * dh..(h + 1) * dh], k) * step.scale;
         }
     }
 }
