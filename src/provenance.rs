@@ -13,11 +13,13 @@
 //!
 //! The commit comes from `build.rs` (`git rev-parse HEAD`, `-dirty` when tracked files
 //! differ from it); it is `null` in a build outside a git checkout. `cpu` ([`cpu`]) names
-//! the CPU model and its SIMD extensions: the fast numerics choose their kernels by them at
-//! run time, and greedy outputs differ between kernels, so a run that resumes a file made
-//! on another CPU is refused ([`Made::resumable_by`]). Files that runs continue also
-//! carry `arithmetic`, the fingerprint of the floats the build computes on that CPU
-//! ([`crate::model::arithmetic_fingerprint`]); another fingerprint is refused too.
+//! the CPU model and its SIMD extensions: kernels are chosen by them at run time, and
+//! greedy outputs differ between kernels. Files that runs continue also carry
+//! `arithmetic`, the fingerprint of the floats the build computes on that CPU
+//! ([`crate::model::arithmetic_fingerprint`]). A run resumes a file only with the same
+//! numerics and the same floats ([`Made::resumable_by`]): where both carry a fingerprint,
+//! the fingerprint decides and the CPU may differ (the folder's note then names the CPU
+//! its earlier records ran on); where one lacks it, the CPU must be the same.
 //! [`machine`] adds the thread count, for reports that measure speed.
 
 use serde::{Deserialize, Serialize};
@@ -83,19 +85,30 @@ impl Made {
     }
 
     /// Whether a file made with `self` may be reused or continued by the run `now`: the
-    /// same numerics on the same CPU, computing the same floats (the same arithmetic
-    /// fingerprint). A field left empty in `self` (a file made before it was recorded)
-    /// matches anything.
+    /// same numerics, computing the same floats. Where both carry an arithmetic
+    /// fingerprint, that is the test of the floats and the CPU may differ (two CPUs whose
+    /// kernels compute the same floats, e.g. the same instruction sets on another model);
+    /// otherwise the CPU must be the same too. A field left empty in `self` (a file made
+    /// before it was recorded) matches anything.
     pub fn resumable_by(&self, now: &Made) -> bool {
         let known = |was: &str, is: &str| was.is_empty() || was == is;
         known(&self.numerics, &now.numerics)
-            && known(&self.cpu, &now.cpu)
-            && known(&self.arithmetic, &now.arithmetic)
+            && if self.fingerprinted(now) {
+                self.arithmetic == now.arithmetic
+            } else {
+                known(&self.cpu, &now.cpu) && known(&self.arithmetic, &now.arithmetic)
+            }
+    }
+
+    /// Whether both `self` and `now` carry an arithmetic fingerprint.
+    fn fingerprinted(&self, now: &Made) -> bool {
+        !self.arithmetic.is_empty() && !now.arithmetic.is_empty()
     }
 
     /// `self` (a run continuing a folder whose file was made with `old`) with the note a
     /// mixed folder needs: records made before the CPU or the arithmetic fingerprint was
-    /// recorded keep saying so, with this run's start as the boundary and the start and
+    /// recorded keep saying so, and records made on another CPU (of the same
+    /// fingerprint) name it, with this run's start as the boundary and the start and
     /// commit of the last run before it (the run stamps its own on the folder, which are
     /// theirs only if nothing says otherwise); an earlier note is kept, the new one
     /// appended.
@@ -106,15 +119,25 @@ impl Made {
             (false, true) if !self.arithmetic.is_empty() => "arithmetic fingerprint",
             _ => "",
         };
-        let says = (!unrecorded.is_empty()).then(|| {
+        let before = || {
             format!(
-                "the records made before {} (the last run then began {}, commit {}) predate \
-                 the recorded {unrecorded}",
+                "the records made before {} (the last run then began {}, commit {})",
                 self.date,
                 old.date,
                 old.git_commit.as_deref().unwrap_or("unknown")
             )
-        });
+        };
+        let says = if !unrecorded.is_empty() {
+            Some(format!("{} predate the recorded {unrecorded}", before()))
+        } else if old.cpu != self.cpu {
+            Some(format!(
+                "{} ran on {}, with the same arithmetic fingerprint",
+                before(),
+                old.cpu
+            ))
+        } else {
+            None
+        };
         let note = match (&old.note, says) {
             (Some(n), Some(s)) => Some(format!("{}; {s}", n.trim_end_matches('.'))),
             (Some(n), None) => Some(n.clone()),
@@ -133,7 +156,7 @@ impl Made {
         if !self.numerics.is_empty() && self.numerics != now.numerics {
             out.push(format!("numerics {}, not {}", self.numerics, now.numerics));
         }
-        if !self.cpu.is_empty() && self.cpu != now.cpu {
+        if !self.fingerprinted(now) && !self.cpu.is_empty() && self.cpu != now.cpu {
             out.push(format!("CPU \"{}\", not \"{}\"", self.cpu, now.cpu));
         }
         if !self.arithmetic.is_empty() && self.arithmetic != now.arithmetic {
@@ -388,6 +411,49 @@ mod tests {
         assert!(note.contains("predate the recorded CPU"), "{note}");
         assert_eq!(here.continuing(&here).note, None);
         assert!(here.markdown().ends_with(&format!(" ({}).", here.cpu)));
+    }
+
+    #[test]
+    fn with_fingerprints_on_both_sides_the_floats_decide_not_the_cpu() {
+        let here = Made::now("fast").with_arithmetic("0123456789abcdef".into());
+        let elsewhere = Made {
+            cpu: "Some Other CPU, avx2 avx512f".into(),
+            date: "2026-12-01T09:30:00Z".into(),
+            git_commit: Some("abc1234".into()),
+            ..here.clone()
+        };
+        assert!(elsewhere.resumable_by(&here) && elsewhere.mismatch(&here).is_empty());
+        assert_eq!(
+            here.continuing(&elsewhere).note.unwrap(),
+            format!(
+                "the records made before {} (the last run then began 2026-12-01T09:30:00Z, \
+                 commit abc1234) ran on Some Other CPU, avx2 avx512f, with the same \
+                 arithmetic fingerprint",
+                here.date
+            )
+        );
+        // other floats on another CPU: the fingerprint is the reason given, not the CPU
+        let other = Made {
+            arithmetic: "fedcba9876543210".into(),
+            ..elsewhere.clone()
+        };
+        assert!(!other.resumable_by(&here));
+        assert!(
+            other
+                .mismatch(&here)
+                .starts_with("arithmetic fingerprint \"fedcba9876543210\", not"),
+            "{}",
+            other.mismatch(&here)
+        );
+        // a run that takes no fingerprint, or a file without one, needs the same CPU
+        let unfingerprinted = Made::now("fast");
+        assert!(!elsewhere.resumable_by(&unfingerprinted));
+        let old = Made {
+            arithmetic: String::new(),
+            ..elsewhere
+        };
+        assert!(!old.resumable_by(&here));
+        assert!(old.mismatch(&here).starts_with("CPU \"Some Other CPU"));
     }
 
     #[test]

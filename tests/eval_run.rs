@@ -164,12 +164,14 @@ fn a_changed_spec_does_not_mix_into_an_old_run() {
         .expect("a different spec is refused")
         .to_string();
     assert!(err.contains("holds a run of another spec"), "{err}");
-    // the same spec, but the folder's run was made on another CPU: its greedy outputs
-    // may differ, so the records must not mix
+    // the same spec, but the folder's run was made on another CPU without a fingerprint:
+    // its greedy outputs may differ, so the records must not mix
     let run_json = dir.join("run.json");
     let mut info: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&run_json).unwrap()).unwrap();
+    let fingerprinted = info.clone();
     info["cpu"] = "Another CPU, avx2 fma f16c".into();
+    info.as_object_mut().unwrap().remove("arithmetic");
     std::fs::write(&run_json, serde_json::to_vec(&info).unwrap()).unwrap();
     let err = Runner::prepare(s.clone(), &lm, &id, opts(&dir))
         .err()
@@ -178,6 +180,23 @@ fn a_changed_spec_does_not_mix_into_an_old_run() {
     assert!(
         err.contains("made with CPU \"Another CPU, avx2 fma f16c\", not"),
         "{err}"
+    );
+    // another CPU that computed the same floats (the same fingerprint) continues the
+    // folder, whose run.json then names the CPU of the earlier records
+    let mut info = fingerprinted;
+    info["cpu"] = "Another CPU, avx2 fma f16c".into();
+    std::fs::write(&run_json, serde_json::to_vec(&info).unwrap()).unwrap();
+    Runner::prepare(s.clone(), &lm, &id, opts(&dir))
+        .unwrap()
+        .run(None)
+        .unwrap();
+    let continued: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&run_json).unwrap()).unwrap();
+    assert_eq!(continued["cpu"], now.cpu.as_str());
+    let note = continued["note"].as_str().unwrap_or_default();
+    assert!(
+        note.ends_with("ran on Another CPU, avx2 fma f16c, with the same arithmetic fingerprint"),
+        "{continued}"
     );
     // this CPU, but a build whose arithmetic gave other floats
     assert_eq!(info["arithmetic"], now.arithmetic.as_str());

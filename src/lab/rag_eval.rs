@@ -331,10 +331,13 @@ fn check_run(out: &Path, id: &ModelId, made: &Made, records: usize) -> Result<()
                 ),
             ));
         }
-        if !old.made.arithmetic.is_empty() || made.arithmetic.is_empty() {
+        let unfingerprinted = old.made.arithmetic.is_empty() && !made.arithmetic.is_empty();
+        let moved = !old.made.cpu.is_empty() && old.made.cpu != made.cpu;
+        if !unfingerprinted && !moved {
             return Ok(());
         }
-        // a folder from before the fingerprint: from now on it is checked against this one
+        // a folder from before the fingerprint (from now on it is checked against this
+        // one), or one continued on another CPU of the same fingerprint: the note says so
         let info = RagRun {
             made: made.continuing(&old.made),
             ..old
