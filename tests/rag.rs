@@ -632,6 +632,23 @@ fn cross_fitted_folds_use_the_other_folds_probe_and_refuse_their_own() {
         !cpu.is_empty() && readme.contains(&format!("({cpu})")),
         "{info}"
     );
+    // another CPU with the same fingerprint continues the folder, and run.json says where
+    // its earlier answers were made
+    let fingerprinted = info.clone();
+    info["cpu"] = "Another CPU, avx2".into();
+    std::fs::write(&run_json, serde_json::to_vec(&info).unwrap()).unwrap();
+    let ((code, err), _) = run(spec("5..10", "0..5"), "crossed");
+    assert_eq!(code, 0, "{err}");
+    let moved: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&run_json).unwrap()).unwrap();
+    assert_eq!(moved["cpu"], cpu.as_str(), "{moved}");
+    assert!(
+        moved["note"].as_str().is_some_and(
+            |n| n.ends_with("ran on Another CPU, avx2, with the same arithmetic fingerprint")
+        ),
+        "{moved}"
+    );
+    let mut info = fingerprinted;
     info["cpu"] = "Another CPU, avx2".into();
     info.as_object_mut().unwrap().remove("arithmetic");
     std::fs::write(&run_json, serde_json::to_vec(&info).unwrap()).unwrap();
