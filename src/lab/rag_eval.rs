@@ -331,15 +331,15 @@ fn check_run(out: &Path, id: &ModelId, made: &Made, records: usize) -> Result<()
                 ),
             ));
         }
-        let unfingerprinted = old.made.arithmetic.is_empty() && !made.arithmetic.is_empty();
-        let moved = !old.made.cpu.is_empty() && old.made.cpu != made.cpu;
-        if !unfingerprinted && !moved {
+        // rewritten only when the folder's note gains something: a folder from before the
+        // fingerprint (from now on checked against this one), or one continued on another
+        // CPU of the same fingerprint
+        let continued = made.continuing(&old.made);
+        if continued.note == old.made.note {
             return Ok(());
         }
-        // a folder from before the fingerprint (from now on it is checked against this
-        // one), or one continued on another CPU of the same fingerprint: the note says so
         let info = RagRun {
-            made: made.continuing(&old.made),
+            made: continued,
             ..old
         };
         let json =
