@@ -35,7 +35,7 @@ pub enum BenchWhat {
     Serve,
     /// The fast numerics' matrix kernels alone, on the model's own weights: one pass over
     /// every decode matrix at 1-32 activation rows on each instruction set this CPU runs,
-    /// and the tiled prefill product at 64 and 256 rows.
+    /// and at 64 and 256 rows the prefill product beside the dequantized tiles alone.
     Kernels,
 }
 
@@ -541,7 +541,11 @@ fn kernels(args: &BenchArgs) -> anyhow::Result<()> {
     }
     rows_measured.extend(grouped);
     for rows in [64, 256] {
-        eprintln!("tiled: {rows} rows ...");
+        eprintln!("prefill and tiled: {rows} rows ...");
+        let t = pass(rows, &|m, x| {
+            m.matmul(x, rows);
+        })?;
+        rows_measured.push(("prefill".into(), rows, t));
         let t = pass(rows, &|m, x| {
             m.tiled_product(x, rows);
         })?;
@@ -559,7 +563,10 @@ fn kernels(args: &BenchArgs) -> anyhow::Result<()> {
          rows in the same run. `<set> groups` (models with Q5_0 matrices): the same \
          instruction set without the panel kernels (each Q5_0 weight row against groups \
          of four activation rows; the same floats; Q4_1 and Q8_0, interleaved, run their \
-         one kernel in both), measured right after the panels at the same rows.\n\n\
+         one kernel in both), measured right after the panels at the same rows. `prefill`: \
+         the product prefill runs (the integer kernels for Q4_1 and Q8_0, dequantized \
+         tiles for Q5_0); `tiled`: every matrix through dequantized tiles and `gemm`, \
+         the prefill path before the integer kernels took it.\n\n\
          | path | activation rows | ms per pass | us per row per pass | weight GB/s | \
          speed-up over portable |\n| --- | ---: | ---: | ---: | ---: | ---: |\n",
         matrices.len(),

@@ -6,9 +6,9 @@
 //! * [`Numerics::Fast`] keeps one copy of each weight, in blocks
 //!   ([`BlockMatrix`]: Q4_1, Q5_0 and Q8_0 as the
 //!   file stores them, Q4_K as Q4_1 blocks of its sub-blocks, other types requantized to
-//!   Q8_0), multiplied by 8-bit integer kernels
-//!   for a few rows (decode) and through dequantized cache-sized tiles and `gemm` for
-//!   many (prefill); no f32 copy of a weight is kept.
+//!   Q8_0), multiplied by 8-bit integer kernels (activations quantized per row, as
+//!   llama.cpp's CPU matmuls do) for any number of rows, except Q5_0 prefill, which goes
+//!   through dequantized cache-sized tiles and `gemm`; no f32 copy of a weight is kept.
 
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
@@ -31,8 +31,8 @@ pub enum Numerics {
     /// [`crate::model::numerics::ggml_quant`]): quantized matmuls on the weights' own codes in
     /// ggml's order, its norms, RoPE, GELU table and plain f32 attention.
     Ggml,
-    /// One copy of each weight in Q4_1, Q5_0 or Q8_0 blocks: 8-bit integer kernels for a few
-    /// rows, dequantized tiles and `gemm` for many.
+    /// One copy of each weight in Q4_1, Q5_0 or Q8_0 blocks: 8-bit integer kernels (Q5_0
+    /// prefill: dequantized tiles and `gemm`).
     #[default]
     Fast,
 }

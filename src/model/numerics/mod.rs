@@ -16,8 +16,8 @@ pub use linear::{Linear, Numerics};
 pub use ops::Ops;
 
 /// The thread count that work whose split changes the floats is split for, whatever the
-/// size of the pool that runs it: a prefill product's weight tiles (the width `gemm` sums
-/// over) and a decode step's parts of each KV head's keys (merged by rescaling). So a
+/// size of the pool that runs it: a Q5_0 prefill product's weight tiles (the width
+/// `gemm` sums over) and a decode step's parts of each KV head's keys (merged by rescaling). So a
 /// sequence's logits are the same on 1, 2 or 16 threads, and records made on one machine
 /// are reproduced by a run on another with the same kernels (the arithmetic fingerprint,
 /// `crate::model::fingerprint`, checks it). Two, the machines' count: their floats are

@@ -1,17 +1,19 @@
 //! [`BlockMatrix`]: a `(rows, cols)` weight in Q4_1, Q5_0 or Q8_0 blocks and its
 //! product with rows of activations, `y_i = W x_i`.
 //!
-//! Fewer than [`TILED_MIN_ROWS`] activation rows (decode, small batches) go through the
-//! integer kernels: each row quantized to 8 bits once; Q4_1 and Q8_0 weights are held
-//! interleaved sixteen rows to a group and multiplied by `interleaved`'s kernels, one
-//! weight row per 32-bit lane; Q5_0 rows are streamed once for a panel of up to six
-//! activation rows (`panel`; one row alone goes to `dot`'s kernels). Every row's result is
-//! the same as if it were computed alone. More rows (prefill) go through dequantized tiles:
-//! a few weight rows at a time are expanded to f32 in a per-thread buffer of about
-//! `TILE_BYTES` and multiplied with all activation rows by `gemm`, so the f32 weight
-//! never exists whole and each expanded tile is used while it is in cache. A batch of
-//! decode rows from different sequences goes through [`BlockMatrix::quantized_product`]
-//! at any size, so that no sequence's result depends on the batch it ran in.
+//! The integer kernels: each activation row quantized to 8 bits once; Q4_1 and Q8_0
+//! weights are held interleaved sixteen rows to a group and multiplied by `interleaved`'s
+//! kernels, one weight row per 32-bit lane, for any number of rows (decode, batches and
+//! prefill: a group's blocks stay in L1 while every activation row passes over them);
+//! Q5_0 rows are streamed once for a panel of up to six activation rows (`panel`; one row
+//! alone goes to `dot`'s kernels). Every row's result is the same as if it were computed
+//! alone. Q5_0 prefill (from [`TILED_MIN_ROWS`] rows) goes through dequantized tiles
+//! instead, faster there than its panels: a few weight rows at a time are expanded to f32
+//! in a per-thread buffer of about `TILE_BYTES` and multiplied with all activation rows
+//! by `gemm`, so the f32 weight never exists whole and each expanded tile is used while
+//! it is in cache. A batch of decode rows from different sequences goes through
+//! [`BlockMatrix::quantized_product`] at any size, so that no sequence's result depends
+//! on the batch it ran in.
 
 use std::cell::RefCell;
 
@@ -24,7 +26,7 @@ use super::isa::Isa;
 use super::panel::{self, Panel};
 use crate::model::numerics::PARTITION_THREADS;
 
-/// Activation rows from which a product goes through dequantized tiles and `gemm`.
+/// Activation rows from which a Q5_0 product goes through dequantized tiles and `gemm`.
 pub const TILED_MIN_ROWS: usize = 8;
 
 /// Weight rows per parallel task of the integer path: large enough to amortise
@@ -199,10 +201,11 @@ impl BlockMatrix {
         out
     }
 
-    /// `x` `(n, cols)` row-major -> `(n, rows)`: the integer kernels below
-    /// [`TILED_MIN_ROWS`] rows, dequantized tiles from there.
+    /// `x` `(n, cols)` row-major -> `(n, rows)`: Q4_1 and Q8_0 through the integer
+    /// kernels at any `n`; Q5_0 through them below [`TILED_MIN_ROWS`] rows and through
+    /// dequantized tiles from there.
     pub fn matmul(&self, x: &[f32], n: usize) -> Vec<f32> {
-        if n < TILED_MIN_ROWS {
+        if n < TILED_MIN_ROWS || interleaved::holds(self.format) {
             self.quantized_product(x, n, Isa::active())
         } else {
             self.tiled_product(x, n)
@@ -230,7 +233,8 @@ impl BlockMatrix {
         assert_eq!(x.len(), n * self.cols, "activations do not fit the matrix");
         let isa = Supported::new(isa);
         let acts: Vec<Activations> = x
-            .chunks_exact(self.cols)
+            .par_chunks_exact(self.cols)
+            .with_min_len(8)
             .map(Activations::quantize)
             .collect();
         let refs: Vec<&Activations> = acts.iter().collect();
@@ -647,7 +651,13 @@ mod tests {
                         "{format:?} n={n} {i}: {g} vs {e}"
                     );
                 }
-                assert_eq!(m.matmul(&x, n), got);
+                // Prefill's product: the tiles for Q5_0, the integer kernels otherwise.
+                let prefill = if format == Format::Q5_0 {
+                    got
+                } else {
+                    m.quantized_product(&x, n, Isa::active())
+                };
+                assert_eq!(m.matmul(&x, n), prefill);
             }
         }
     }
