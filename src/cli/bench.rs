@@ -9,7 +9,7 @@ use clap::Args;
 use headwise::lab::bench::{
     peak_rss_bytes, speed_records, table, write_report, BenchRecord, StepBytes,
 };
-use headwise::model::numerics::kernels::{Format, Isa};
+use headwise::model::numerics::kernels::Isa;
 use headwise::model::{
     generate, Architecture, Config, GenerateOptions, GgufFile, Interventions, LoadedModel, ModelId,
     NoObserver, Numerics,
@@ -519,11 +519,6 @@ fn kernels(args: &BenchArgs) -> anyhow::Result<()> {
         };
     // (path, rows, seconds per pass)
     let mut rows_measured: Vec<(String, usize, f64)> = Vec::new();
-    // Where panels run (several rows of Q5_0 on an instruction set past the portable
-    // loop), the same rows in groups of four, measured right after: what the panels buy.
-    // A model without Q5_0 matrices would run the same kernels twice.
-    let panels = matrices.iter().any(|m| m.format() == Format::Q5_0);
-    let mut grouped: Vec<(String, usize, f64)> = Vec::new();
     for isa in Isa::available() {
         for rows in [1, 2, 4, 8, 16, 32] {
             eprintln!("{isa}: {rows} rows ...");
@@ -531,15 +526,8 @@ fn kernels(args: &BenchArgs) -> anyhow::Result<()> {
                 m.quantized_product(x, rows, isa);
             })?;
             rows_measured.push((isa.name().into(), rows, t));
-            if panels && rows > 1 && isa != Isa::Portable {
-                let t = pass(rows, &|m, x| {
-                    m.grouped_product(x, rows, isa);
-                })?;
-                grouped.push((format!("{} groups", isa.name()), rows, t));
-            }
         }
     }
-    rows_measured.extend(grouped);
     for rows in [64, 256] {
         eprintln!("prefill and tiled: {rows} rows ...");
         let t = pass(rows, &|m, x| {
@@ -560,13 +548,9 @@ fn kernels(args: &BenchArgs) -> anyhow::Result<()> {
     let mut md = format!(
         "One pass over the {} decode matrices of the model ({:.1} MiB of blocks), \
          median of 7, in this process; the speed-up is over the portable loop at the same \
-         rows in the same run. `<set> groups` (models with Q5_0 matrices): the same \
-         instruction set without the panel kernels (each Q5_0 weight row against groups \
-         of four activation rows; the same floats; Q4_1 and Q8_0, interleaved, run their \
-         one kernel in both), measured right after the panels at the same rows. `prefill`: \
-         the product prefill runs (the integer kernels for Q4_1 and Q8_0, dequantized \
-         tiles for Q5_0); `tiled`: every matrix through dequantized tiles and `gemm`, \
-         the prefill path before the integer kernels took it.\n\n\
+         rows in the same run. `prefill`: the product prefill runs (the integer kernels on \
+         the instruction set that runs); `tiled`: every matrix through dequantized f32 \
+         tiles and `gemm`, the prefill path before the integer kernels took it.\n\n\
          | path | activation rows | ms per pass | us per row per pass | weight GB/s | \
          speed-up over portable |\n| --- | ---: | ---: | ---: | ---: | ---: |\n",
         matrices.len(),
@@ -586,22 +570,6 @@ fn kernels(args: &BenchArgs) -> anyhow::Result<()> {
         let task = format!("{p} x{rows}");
         records.push(record(&task, None, "seconds_per_pass", *t, 7));
         records.push(record(&task, None, "weight_bytes_s", bytes as f64 / t, 7));
-    }
-    let gains: Vec<String> = rows_measured
-        .iter()
-        .filter_map(|(p, rows, t)| {
-            let (_, _, panel) = rows_measured
-                .iter()
-                .find(|(q, r, _)| p.strip_suffix(" groups") == Some(q.as_str()) && r == rows)?;
-            Some(format!("{p} {rows}: {:.2}x", t / panel))
-        })
-        .collect();
-    if !gains.is_empty() {
-        md.push_str(&format!(
-            "\nPanels over groups of four at the same rows (groups' time over the panels'): \
-             {}.\n",
-            gains.join(", ")
-        ));
     }
     print!("{md}");
     report(

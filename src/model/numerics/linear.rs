@@ -7,8 +7,8 @@
 //!   ([`BlockMatrix`]: Q4_1, Q5_0 and Q8_0 as the
 //!   file stores them, Q4_K as Q4_1 blocks of its sub-blocks, other types requantized to
 //!   Q8_0), multiplied by 8-bit integer kernels (activations quantized per row, as
-//!   llama.cpp's CPU matmuls do) for any number of rows, except Q5_0 prefill, which goes
-//!   through dequantized cache-sized tiles and `gemm`; no f32 copy of a weight is kept.
+//!   llama.cpp's CPU matmuls do) for any number of rows, prefill included; no f32 copy of
+//!   a weight is kept.
 
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
@@ -31,8 +31,7 @@ pub enum Numerics {
     /// [`crate::model::numerics::ggml_quant`]): quantized matmuls on the weights' own codes in
     /// ggml's order, its norms, RoPE, GELU table and plain f32 attention.
     Ggml,
-    /// One copy of each weight in Q4_1, Q5_0 or Q8_0 blocks: 8-bit integer kernels (Q5_0
-    /// prefill: dequantized tiles and `gemm`).
+    /// One copy of each weight in Q4_1, Q5_0 or Q8_0 blocks: 8-bit integer kernels.
     #[default]
     Fast,
 }

@@ -201,7 +201,8 @@ pub struct Activations {
     /// Per block: `d_x` and `d_x * sum(q_x)` (the factor of Q4_1's `m`).
     pub(super) scales: Vec<[f32; 2]>,
     /// Per block: `128 * sum(q_x)`, what Q8_0's interleaved codes (stored as `q_w + 128`)
-    /// add to a block's integer sum.
+    /// add to a block's integer sum; an eighth of it is what Q5_0's (taken as `q_w + 16`)
+    /// add.
     pub(super) excess: Vec<i32>,
 }
 

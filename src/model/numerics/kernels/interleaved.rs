@@ -1,5 +1,5 @@
-//! Q4_1 and Q8_0 weights interleaved [`GROUP`] rows to a group, so that one 32-bit lane
-//! of a vector holds one weight row: the kernels broadcast four activation bytes to every
+//! Weights interleaved [`GROUP`] rows to a group, so that one 32-bit lane of a vector
+//! holds one weight row: the kernels broadcast four activation bytes to every
 //! lane, complete each row's integer sum over a block, and then spend one conversion and
 //! one or two fused multiply-adds on it. One row, a decode step, and a batch of activation
 //! rows run the same kernel; the weights of a group are unpacked once per block for all
@@ -7,18 +7,25 @@
 //!
 //! **Layout.** Rows are padded with zero blocks to a multiple of [`GROUP`]. Group `g`'s
 //! block `b` takes `GROUP * block_bytes` bytes at `(g * blocks + b) * that`: the sixteen
-//! rows' `d` (f16), for Q4_1 their `m` (f16), then runs of 64 code bytes, run `k` holding
-//! in bytes `4l..4l + 4` row `l`'s code bytes `4k..4k + 4`. Q4_1 has four runs: the low
-//! nibbles of run `k` are the block's elements `4k..4k + 4`, the high nibbles the elements
-//! `16 + 4k..16 + 4k + 4`. Q8_0 has eight, each code stored plus 128 (`q ^ 0x80`), so that
-//! it is the unsigned operand of `vpdpbusd`; `128 * sum(q_x)` is subtracted from the
-//! block's sum afterwards (AVX2 restores the sign instead: `vpmaddubsw` would saturate on
-//! unsigned codes up to 255). The same bytes as the file's blocks, reordered.
+//! rows' `d` (f16), for Q4_1 their `m` (f16), for Q5_0 the low and then the high halves of
+//! their fifth-bit words (u16 each: bits of the elements `0..16`, then `16..32`), then
+//! runs of 64 code bytes, run `k` holding in bytes `4l..4l + 4` row `l`'s code bytes
+//! `4k..4k + 4`. Q4_1 and Q5_0 have four runs: the low nibbles of run `k` are the block's
+//! elements `4k..4k + 4`, the high nibbles the elements `16 + 4k..16 + 4k + 4`. Q8_0 has
+//! eight, each code stored plus 128 (`q ^ 0x80`), so that it is the unsigned operand of
+//! `vpdpbusd`; `128 * sum(q_x)` is subtracted from the block's sum afterwards (AVX2
+//! restores the sign instead: `vpmaddubsw` would saturate on unsigned codes up to 255).
+//! Q5_0's codes enter the products unsigned too, as `q` in `0..32` (its nibble and its
+//! fifth bit, joined in registers: on AVX-512 each lane's four bits of a run looked up in
+//! a sixteen-entry table with `vpermd`, on the 256-bit sets the byte holding them spread
+//! over the lane's four bytes with `vpshufb` and compared bit by bit), and
+//! `16 * sum(q_x)` is subtracted. The same bytes as the file's blocks, reordered.
 //!
 //! **The floats.** Row `r` against activation row `x`, from `acc = 0`, block after
 //! block, with `s = sum_j q_rj q_xj` (exact in any order: at most `32 * 128 * 127 < 2^24`,
 //! so its conversion is exact too): Q4_1 `acc = fma(d_r * d_x, float(s), acc)`, then
-//! `acc = fma(m_r, d_x * sum_j q_xj, acc)`; Q8_0 the first of the two. AVX-512 VNNI
+//! `acc = fma(m_r, d_x * sum_j q_xj, acc)`; Q8_0 and Q5_0 (`s` over its signed values
+//! `q - 16`) the first of the two. AVX-512 VNNI
 //! (sixteen rows per register), AVX-VNNI and AVX2 (eight) and the portable loop all compute
 //! exactly that, so a result depends neither on the instruction set nor on the other
 //! activation rows computed with it.
@@ -26,8 +33,7 @@
 use half::f16;
 
 use super::blocks::{Activations, Format, QK};
-use super::dot::Supported;
-use super::isa::Isa;
+use super::isa::{Isa, Supported};
 
 /// Weight rows per group: one per 32-bit lane of a 512-bit register.
 pub(super) const GROUP: usize = 16;
@@ -39,11 +45,6 @@ const PASS_512: usize = 8;
 /// The same on AVX2 and AVX-VNNI (16 registers).
 const PASS_256: usize = 4;
 
-/// The formats held interleaved.
-pub(super) fn holds(format: Format) -> bool {
-    matches!(format, Format::Q4_1 | Format::Q8_0)
-}
-
 /// Bytes of one block of a group: [`GROUP`] file blocks.
 fn chunk_bytes(format: Format) -> usize {
     GROUP * format.block_bytes()
@@ -53,8 +54,8 @@ fn chunk_bytes(format: Format) -> usize {
 fn runs(format: Format) -> (usize, usize) {
     match format {
         Format::Q4_1 => (4 * GROUP, 4),
+        Format::Q5_0 => (6 * GROUP, 4),
         Format::Q8_0 => (2 * GROUP, 8),
-        Format::Q5_0 => unreachable!("Q5_0 is not interleaved"),
     }
 }
 
@@ -62,19 +63,17 @@ fn runs(format: Format) -> (usize, usize) {
 fn file_codes(format: Format) -> (usize, u8) {
     match format {
         Format::Q4_1 => (4, 0),
+        Format::Q5_0 => (6, 0),
         Format::Q8_0 => (2, 0x80),
-        Format::Q5_0 => unreachable!("Q5_0 is not interleaved"),
     }
 }
 
-/// Row-major `blocks` of `format` (Q4_1 or Q8_0) of a `(rows, cols)` matrix, interleaved
+/// Row-major `blocks` of `format` of a `(rows, cols)` matrix, interleaved
 /// in place: a group's rows occupy the same bytes before and after, so only one group is
 /// copied aside at a time (no second copy of the matrix, even while loading).
 ///
-/// Panics if `blocks` is not `rows * cols / QK` blocks or `format` is not held
-/// interleaved.
+/// Panics if `blocks` is not `rows * cols / QK` blocks.
 pub(super) fn interleave(format: Format, mut blocks: Vec<u8>, rows: usize, cols: usize) -> Vec<u8> {
-    assert!(holds(format), "{format:?} is not interleaved");
     let (nb, bb, cb) = (cols / QK, format.block_bytes(), chunk_bytes(format));
     assert_eq!(blocks.len(), rows * nb * bb, "blocks do not fit the shape");
     let ((codes, n_runs), (src_codes, flip)) = (runs(format), file_codes(format));
@@ -125,8 +124,8 @@ pub(super) fn file_block(
 }
 
 /// Block `b` of row `r` of interleaved `data` (`format`, `nb` blocks per row) as its
-/// [`QK`] values, with [`Format::dequantize`]'s arithmetic (`q * d + m`, `q * d`), read in
-/// place.
+/// [`QK`] values, with [`Format::dequantize`]'s arithmetic (`q * d + m`, `(q - 16) * d`,
+/// `q * d`), read in place.
 pub(super) fn dequantize_block(
     format: Format,
     data: &[u8],
@@ -142,29 +141,59 @@ pub(super) fn dequantize_block(
     let half = |at: usize| f16::from_le_bytes([chunk[at], chunk[at + 1]]).to_f32();
     let d = half(2 * l);
     let at = |k: usize| &chunk[codes + 64 * k + 4 * l..][..4];
-    if format == Format::Q4_1 {
-        let m = half(2 * GROUP + 2 * l);
-        let (lo, hi) = out[..QK].split_at_mut(QK / 2);
-        for k in 0..n_runs {
-            for (j, &byte) in at(k).iter().enumerate() {
-                lo[4 * k + j] = (byte & 0x0F) as f32 * d + m;
-                hi[4 * k + j] = (byte >> 4) as f32 * d + m;
+    match format {
+        Format::Q4_1 => {
+            let m = half(2 * GROUP + 2 * l);
+            let (lo, hi) = out[..QK].split_at_mut(QK / 2);
+            for k in 0..n_runs {
+                for (j, &byte) in at(k).iter().enumerate() {
+                    lo[4 * k + j] = (byte & 0x0F) as f32 * d + m;
+                    hi[4 * k + j] = (byte >> 4) as f32 * d + m;
+                }
             }
         }
-    } else {
-        for k in 0..n_runs {
-            for (j, &byte) in at(k).iter().enumerate() {
-                out[4 * k + j] = (byte ^ 0x80) as i8 as f32 * d;
+        Format::Q5_0 => {
+            let fifth = q5_0_fifth_bits(chunk, l);
+            let (lo, hi) = out[..QK].split_at_mut(QK / 2);
+            for k in 0..n_runs {
+                for (j, &byte) in at(k).iter().enumerate() {
+                    let [a, b] = q5_0_pair(byte, fifth, 4 * k + j);
+                    lo[4 * k + j] = (a - 16) as f32 * d;
+                    hi[4 * k + j] = (b - 16) as f32 * d;
+                }
+            }
+        }
+        Format::Q8_0 => {
+            for k in 0..n_runs {
+                for (j, &byte) in at(k).iter().enumerate() {
+                    out[4 * k + j] = (byte ^ 0x80) as i8 as f32 * d;
+                }
             }
         }
     }
 }
 
+/// Row `l`'s fifth-bit words in a Q5_0 chunk: bit `e` of the first is element `e`'s, of
+/// the second element `16 + e`'s.
+fn q5_0_fifth_bits(chunk: &[u8], l: usize) -> [u32; 2] {
+    let word = |at: usize| u16::from_le_bytes([chunk[at], chunk[at + 1]]) as u32;
+    [word(2 * GROUP + 2 * l), word(4 * GROUP + 2 * l)]
+}
+
+/// The codes `q` (in `0..32`) of elements `e` and `16 + e` of a Q5_0 row, from their code
+/// byte (the low nibble `e`'s, the high one `16 + e`'s) and the row's fifth-bit words.
+fn q5_0_pair(byte: u8, [low, high]: [u32; 2], e: usize) -> [i32; 2] {
+    [
+        (byte & 0x0F) as i32 | (((low >> e) & 1) << 4) as i32,
+        (byte >> 4) as i32 | (((high >> e) & 1) << 4) as i32,
+    ]
+}
+
 /// `out[i][l]` = weight row `group * GROUP + l` of interleaved `data` (`format`, `nb`
 /// blocks per row) times `xs[i]`; padding rows give 0.
 ///
-/// Panics if `format` is not held interleaved, `out` and `xs` differ in length, an
-/// activation row is not `nb` blocks, or `data` has no group `group`.
+/// Panics if `out` and `xs` differ in length, an activation row is not `nb` blocks, or
+/// `data` has no group `group`.
 pub(super) fn group_product(
     isa: Supported,
     format: Format,
@@ -174,7 +203,6 @@ pub(super) fn group_product(
     xs: &[&Activations],
     out: &mut [[f32; GROUP]],
 ) {
-    assert!(holds(format), "{format:?} is not interleaved");
     assert_eq!(out.len(), xs.len(), "one result per activation row");
     assert!(
         xs.iter().all(|x| x.blocks() == nb && x.q.len() == nb * QK),
@@ -201,15 +229,20 @@ pub(super) fn group_product(
                             (Isa::Avx512Vnni, Format::Q4_1, $n) => out.copy_from_slice(&unsafe {
                                 x86::q4_1_512::<$n>(w.as_ptr(), nb, std::array::from_fn(|i| xs[i]))
                             }),
+                            (Isa::Avx512Vnni, Format::Q5_0, $n) => out.copy_from_slice(&unsafe {
+                                x86::q5_0_512::<$n>(w.as_ptr(), nb, std::array::from_fn(|i| xs[i]))
+                            }),
                             (Isa::Avx512Vnni, Format::Q8_0, $n) => out.copy_from_slice(&unsafe {
                                 x86::q8_0_512::<$n>(w.as_ptr(), nb, std::array::from_fn(|i| xs[i]))
                             }),
                         )*
                         (Isa::AvxVnni, Format::Q4_1, n) => pass_256!(n, q4_1_avxvnni),
+                        (Isa::AvxVnni, Format::Q5_0, n) => pass_256!(n, q5_0_avxvnni),
                         (Isa::AvxVnni, Format::Q8_0, n) => pass_256!(n, q8_0_avxvnni),
                         (Isa::Avx2, Format::Q4_1, n) => pass_256!(n, q4_1_avx2),
+                        (Isa::Avx2, Format::Q5_0, n) => pass_256!(n, q5_0_avx2),
                         (Isa::Avx2, Format::Q8_0, n) => pass_256!(n, q8_0_avx2),
-                        _ => unreachable!("passes hold 1 to {PASS_512} rows of Q4_1 or Q8_0"),
+                        _ => unreachable!("passes hold 1 to {PASS_512} rows"),
                     }
                 };
             }
@@ -265,7 +298,17 @@ fn portable(format: Format, w: &[u8], nb: usize, x: &Activations) -> [f32; GROUP
                         }
                     }
                 }
-                _ => {
+                Format::Q5_0 => {
+                    let fifth = q5_0_fifth_bits(chunk, l);
+                    for k in 0..4 {
+                        for j in 0..4 {
+                            let e = 4 * k + j;
+                            let [a, b] = q5_0_pair(code(k, j), fifth, e);
+                            sum += (a - 16) * xq[e] as i32 + (b - 16) * xq[16 + e] as i32;
+                        }
+                    }
+                }
+                Format::Q8_0 => {
                     for k in 0..8 {
                         for j in 0..4 {
                             sum += (code(k, j) ^ 0x80) as i8 as i32 * xq[4 * k + j] as i32;
@@ -287,12 +330,14 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::super::blocks::{Activations, QK};
-    use super::super::dot::x86::dot_avx2;
     use super::super::PREFETCH_BYTES as PREFETCH;
     use super::GROUP;
 
     /// Bytes of a Q4_1 chunk, and where its codes begin.
     const Q4_1: (usize, usize) = (GROUP * 20, 4 * GROUP);
+
+    /// Bytes of a Q5_0 chunk, and where its codes begin.
+    const Q5_0: (usize, usize) = (GROUP * 22, 6 * GROUP);
 
     /// Bytes of a Q8_0 chunk, and where its codes begin.
     const Q8_0: (usize, usize) = (GROUP * 34, 2 * GROUP);
@@ -390,6 +435,73 @@ mod x86 {
         }
     );
 
+    /// Bytes `j` of entry `v`: `0x10` where bit `j` of `v` is set (`j` in `0..4`).
+    const FIFTH: [i32; 16] = {
+        let mut table = [0i32; 16];
+        let mut v = 0;
+        while v < 16 {
+            let mut j = 0;
+            while j < 4 {
+                table[v] |= (((v >> j) & 1) as i32) << (8 * j + 4);
+                j += 1;
+            }
+            v += 1;
+        }
+        table
+    };
+
+    /// Q5_0's fifth bits of run `k` in place: bits `4k..4k + 4` of each lane of `words`
+    /// as `0x10` in the lane's four bytes.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn fifth_512(words: __m512i, k: usize) -> __m512i {
+        let shifted = _mm512_srl_epi32(words, _mm_cvtsi32_si128(4 * k as i32));
+        let nibble = _mm512_and_si512(shifted, _mm512_set1_epi32(0x0F));
+        _mm512_permutexvar_epi32(nibble, _mm512_loadu_si512(FIFTH.as_ptr() as *const __m512i))
+    }
+
+    /// The same in eight lanes: byte `k / 2` of each lane spread to its four bytes, then
+    /// one bit kept per byte.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn fifth_256(words: __m256i, k: usize) -> __m256i {
+        let (l1, l2, l3) = (0x0404_0404, 0x0808_0808, 0x0C0C_0C0C);
+        let lane = _mm256_setr_epi32(0, l1, l2, l3, 0, l1, l2, l3);
+        let pick = _mm256_add_epi8(lane, _mm256_set1_epi8((k / 2) as i8));
+        let select = _mm256_set1_epi32((0x0804_0201u32 << (4 * (k % 2))) as i32);
+        let bits = _mm256_and_si256(_mm256_shuffle_epi8(words, pick), select);
+        _mm256_and_si256(_mm256_cmpeq_epi8(bits, select), _mm256_set1_epi8(0x10))
+    }
+
+    kernel!(
+        q5_0_512, "avx512vnni,avx512bw,avx512f,avx2,fma,f16c", Q5_0, 16,
+        (__m512, _mm512_setzero_ps, _mm512_setzero_si512, _mm512_storeu_ps),
+        |x, _part, b, chunk, codes, sums, acc| {
+            let low = _mm512_set1_epi8(0x0F);
+            let words = |at: usize| _mm512_cvtepu16_epi32(_mm256_loadu_si256(chunk.add(at) as *const __m256i));
+            let (fifth_lo, fifth_hi) = (words(2 * GROUP), words(4 * GROUP));
+            for k in 0..4 {
+                let run = _mm512_loadu_si512(chunk.add(codes + 64 * k) as *const __m512i);
+                let lo = _mm512_or_si512(_mm512_and_si512(run, low), fifth_512(fifth_lo, k));
+                let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(run), low);
+                let hi = _mm512_or_si512(hi, fifth_512(fifth_hi, k));
+                for r in 0..R {
+                    let q = x[r].q.as_ptr().add(b * QK);
+                    sums[r] = _mm512_dpbusd_epi32(sums[r], lo, four_512(q.add(4 * k)));
+                    sums[r] = _mm512_dpbusd_epi32(sums[r], hi, four_512(q.add(16 + 4 * k)));
+                }
+            }
+        }
+        {
+            let d = _mm512_cvtph_ps(_mm256_loadu_si256(chunk as *const __m256i));
+            for r in 0..R {
+                let s = _mm512_sub_epi32(sums[r], _mm512_set1_epi32(x[r].excess[b] >> 3));
+                let scale = _mm512_mul_ps(d, _mm512_set1_ps(x[r].scales[b][0]));
+                acc[r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(s), acc[r]);
+            }
+        }
+    );
+
     kernel!(
         q8_0_512, "avx512vnni,avx512bw,avx512f,avx2,fma,f16c", Q8_0, 16,
         (__m512, _mm512_setzero_ps, _mm512_setzero_si512, _mm512_storeu_ps),
@@ -417,20 +529,24 @@ mod x86 {
     #[inline]
     #[target_feature(enable = "avx2")]
     fn add_dot_avx2(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
-        _mm256_add_epi32(acc, dot_avx2(u, s))
+        let pairs = _mm256_maddubs_epi16(u, s);
+        _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)))
     }
 
-    /// AVX2's Q4_1 step: the pair sums of unsigned `u` (codes below 16) and signed `s`
-    /// bytes added to `acc`'s i16 lanes. A block adds eight pair sums to each lane, each
-    /// within `2 * 15 * 127`, so a lane stays within `30_480` and never wraps; the lanes
-    /// widen once per block ([`widen_avx2`]), not once per step as [`add_dot_avx2`] does.
+    /// AVX2's Q4_1 and Q5_0 step: the pair sums of unsigned `u` (codes below 16 or 32)
+    /// and signed `s` bytes added to `acc`'s i16 lanes. A Q4_1 block adds eight pair sums
+    /// to each lane, each within `2 * 15 * 127`, so a lane stays within `30_480` and never
+    /// wraps; a Q5_0 half block four, each within `2 * 31 * 127`: within `31_496`. The
+    /// lanes widen once per block or half block ([`widen_avx2`]), not once per step as
+    /// [`add_dot_avx2`] does.
     #[inline]
     #[target_feature(enable = "avx2")]
     fn add_pairs_avx2(acc: __m256i, u: __m256i, s: __m256i) -> __m256i {
         _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, s))
     }
 
-    /// The i32 sums of adjacent i16 lanes: a Q4_1 block's sums after [`add_pairs_avx2`].
+    /// The i32 sums of adjacent i16 lanes: a Q4_1 block's, or a Q5_0 half block's, sums
+    /// after [`add_pairs_avx2`].
     #[inline]
     #[target_feature(enable = "avx2")]
     fn widen_avx2(acc: __m256i) -> __m256i {
@@ -469,12 +585,12 @@ mod x86 {
     }
 
     /// The 256-bit kernels of one instruction set, eight weight rows per register (the
-    /// group's two halves in turn): Q4_1 given the set's accumulating step `$add_dot` and
-    /// `$widen`, which turns a block's accumulated lanes into i32 sums, Q8_0 given its
-    /// Q8_0 step `$add_q8_0` and whether that step leaves the excess to subtract.
+    /// group's two halves in turn): Q4_1 and Q5_0 given the set's accumulating step
+    /// `$add_dot` and `$widen`, which turns accumulated lanes into i32 sums, Q8_0 given
+    /// its Q8_0 step `$add_q8_0` and whether that step leaves the excess to subtract.
     macro_rules! narrow {
         (
-            $q4_1:ident, $q8_0:ident, $features:literal,
+            $q4_1:ident, $q5_0:ident, $q8_0:ident, $features:literal,
             $add_dot:ident, $widen:ident, $add_q8_0:ident, $excess:literal
         ) => {
             kernel!(
@@ -510,6 +626,48 @@ mod x86 {
             );
 
             kernel!(
+                $q5_0, $features, Q5_0, 8,
+                (__m256, _mm256_setzero_ps, _mm256_setzero_si256, _mm256_storeu_ps),
+                |x, half, b, chunk, codes, sums, acc| {
+                    let low = _mm256_set1_epi8(0x0F);
+                    let words = |at: usize| {
+                        let at = chunk.add(at + 16 * half) as *const __m128i;
+                        _mm256_cvtepu16_epi32(_mm_loadu_si128(at))
+                    };
+                    let (fifth_lo, fifth_hi) = (words(2 * GROUP), words(4 * GROUP));
+                    // Two runs at a time, widened after each pair (AVX2's i16 lanes).
+                    for pair in 0..2 {
+                        let mut part = [_mm256_setzero_si256(); R];
+                        for k in 2 * pair..2 * pair + 2 {
+                            let at = chunk.add(codes + 64 * k + 32 * half);
+                            let run = _mm256_loadu_si256(at as *const __m256i);
+                            let lo = _mm256_and_si256(run, low);
+                            let lo = _mm256_or_si256(lo, fifth_256(fifth_lo, k));
+                            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(run), low);
+                            let hi = _mm256_or_si256(hi, fifth_256(fifth_hi, k));
+                            for r in 0..R {
+                                let q = x[r].q.as_ptr().add(b * QK);
+                                let xl = four_256(q.add(4 * k));
+                                let xh = four_256(q.add(16 + 4 * k));
+                                part[r] = $add_dot($add_dot(part[r], lo, xl), hi, xh);
+                            }
+                        }
+                        for r in 0..R {
+                            sums[r] = _mm256_add_epi32(sums[r], $widen(part[r]));
+                        }
+                    }
+                }
+                {
+                    let d = _mm256_cvtph_ps(_mm_loadu_si128(chunk.add(16 * half) as *const __m128i));
+                    for r in 0..R {
+                        let s = _mm256_sub_epi32(sums[r], _mm256_set1_epi32(x[r].excess[b] >> 3));
+                        let scale = _mm256_mul_ps(d, _mm256_set1_ps(x[r].scales[b][0]));
+                        acc[r] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(s), acc[r]);
+                    }
+                }
+            );
+
+            kernel!(
                 $q8_0, $features, Q8_0, 8,
                 (__m256, _mm256_setzero_ps, _mm256_setzero_si256, _mm256_storeu_ps),
                 |x, half, b, chunk, codes, sums, acc| {
@@ -540,6 +698,7 @@ mod x86 {
 
     narrow!(
         q4_1_avx2,
+        q5_0_avx2,
         q8_0_avx2,
         "avx2,fma,f16c",
         add_pairs_avx2,
@@ -549,6 +708,7 @@ mod x86 {
     );
     narrow!(
         q4_1_avxvnni,
+        q5_0_avxvnni,
         q8_0_avxvnni,
         "avxvnni,avx2,fma,f16c",
         add_dot_avxvnni,
@@ -560,9 +720,10 @@ mod x86 {
 
 #[cfg(test)]
 mod tests {
+    use super::super::blocks::q5_0_codes;
     use super::*;
 
-    /// Random blocks of `format`: every code byte, scales of both signs.
+    /// Random blocks of `format`: every code byte (and fifth bit), scales of both signs.
     fn random_blocks(format: Format, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
         let mut s = seed;
         let mut next = move || {
@@ -571,7 +732,7 @@ mod tests {
                 .wrapping_add(1442695040888963407);
             (s >> 33) as u32
         };
-        let scales = file_codes(format).0 / 2;
+        let scales = if format == Format::Q4_1 { 2 } else { 1 };
         let mut out = Vec::new();
         for _ in 0..rows * cols / QK {
             for _ in 0..scales {
@@ -585,7 +746,7 @@ mod tests {
 
     #[test]
     fn interleaving_keeps_every_block_and_pads_with_zeros() {
-        for format in [Format::Q4_1, Format::Q8_0] {
+        for format in Format::ALL {
             let (rows, cols, bb) = (21, 96, format.block_bytes());
             let blocks = random_blocks(format, rows, cols, 3);
             let data = interleave(format, blocks.clone(), rows, cols);
@@ -611,7 +772,7 @@ mod tests {
 
     #[test]
     fn blocks_dequantize_in_place_as_the_file_blocks_do() {
-        for format in [Format::Q4_1, Format::Q8_0] {
+        for format in Format::ALL {
             let (rows, cols, bb) = (21, 96, format.block_bytes());
             let blocks = random_blocks(format, rows, cols, 5);
             let data = interleave(format, blocks.clone(), rows, cols);
@@ -631,7 +792,7 @@ mod tests {
     /// codes, scales and the activation's codes, with the module's order of operations.
     #[test]
     fn the_portable_loop_follows_the_definition() {
-        for format in [Format::Q4_1, Format::Q8_0] {
+        for format in Format::ALL {
             let (rows, cols, bb) = (19, 64, format.block_bytes());
             let blocks = random_blocks(format, rows, cols, 9);
             let data = interleave(format, blocks.clone(), rows, cols);
@@ -656,7 +817,8 @@ mod tests {
                                 let byte = blk[4 + e % 16];
                                 (if e < 16 { byte & 0x0F } else { byte >> 4 }) as i32
                             }
-                            _ => blk[2 + e] as i8 as i32,
+                            Format::Q5_0 => q5_0_codes(blk)[e] as i32,
+                            Format::Q8_0 => blk[2 + e] as i8 as i32,
                         };
                         let sum: i32 = (0..QK).map(|e| code(e) * x.q[b * QK + e] as i32).sum();
                         want = (d * x.scales[b][0]).mul_add(sum as f32, want);

@@ -26,6 +26,23 @@ pub enum Isa {
     Avx512Vnni,
 }
 
+/// An [`Isa`] that this CPU was checked to run (else [`Isa::Portable`]): what the
+/// kernels take, so that their unsafe paths are entered only where the CPU has them.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Supported(Isa);
+
+impl Supported {
+    /// `isa` if the CPU runs it, else the portable loop.
+    pub(super) fn new(isa: Isa) -> Self {
+        Supported(if isa.supported() { isa } else { Isa::Portable })
+    }
+
+    /// The instruction set that runs.
+    pub(super) fn isa(self) -> Isa {
+        self.0
+    }
+}
+
 /// Every instruction set, lowest first.
 const ALL: [Isa; 4] = [Isa::Portable, Isa::Avx2, Isa::AvxVnni, Isa::Avx512Vnni];
 

@@ -1,33 +1,27 @@
 //! [`BlockMatrix`]: a `(rows, cols)` weight in Q4_1, Q5_0 or Q8_0 blocks and its
 //! product with rows of activations, `y_i = W x_i`.
 //!
-//! The integer kernels: each activation row quantized to 8 bits once; Q4_1 and Q8_0
-//! weights are held interleaved sixteen rows to a group and multiplied by `interleaved`'s
-//! kernels, one weight row per 32-bit lane, for any number of rows (decode, batches and
-//! prefill: a group's blocks stay in L1 while every activation row passes over them);
-//! Q5_0 rows are streamed once for a panel of up to six activation rows (`panel`; one row
-//! alone goes to `dot`'s kernels). Every row's result is the same as if it were computed
-//! alone. Q5_0 prefill (from [`TILED_MIN_ROWS`] rows) goes through dequantized tiles
-//! instead, faster there than its panels: a few weight rows at a time are expanded to f32
-//! in a per-thread buffer of about `TILE_BYTES` and multiplied with all activation rows
-//! by `gemm`, so the f32 weight never exists whole and each expanded tile is used while
-//! it is in cache. A batch of decode rows from different sequences goes through
-//! [`BlockMatrix::quantized_product`] at any size, so that no sequence's result depends
-//! on the batch it ran in.
+//! The integer kernels: each activation row quantized to 8 bits once; the weights are
+//! held interleaved sixteen rows to a group and multiplied by `interleaved`'s kernels,
+//! one weight row per 32-bit lane, for any number of rows (decode, batches and prefill:
+//! a group's blocks stay in L1 while every activation row passes over them). Every row's
+//! result is the same as if it were computed alone, so no sequence's result depends on
+//! the batch it ran in.
+//!
+//! [`BlockMatrix::tiled_product`] is the f32 alternative prefill used before: a few
+//! weight rows at a time expanded to f32 in a per-thread buffer of about `TILE_BYTES`
+//! and multiplied with all activation rows by `gemm` (the f32 weight never exists whole).
+//! It stays as the baseline `headwise bench kernels` measures the integer kernels
+//! against.
 
 use std::cell::RefCell;
 
 use rayon::prelude::*;
 
 use super::blocks::{q4_k_to_q4_1, q5_0_to_q8_0, quantize_q8_0, Activations, Format, QK};
-use super::dot::{weight_row, Supported};
 use super::interleaved::{self, GROUP};
-use super::isa::Isa;
-use super::panel::{self, Panel};
+use super::isa::{Isa, Supported};
 use crate::model::numerics::PARTITION_THREADS;
-
-/// Activation rows from which a Q5_0 product goes through dequantized tiles and `gemm`.
-pub const TILED_MIN_ROWS: usize = 8;
 
 /// Weight rows per parallel task of the integer path: large enough to amortise
 /// scheduling, small enough to balance two cores on the narrowest projections.
@@ -42,8 +36,8 @@ pub struct BlockMatrix {
     format: Format,
     rows: usize,
     cols: usize,
-    /// Q5_0: `rows * cols / QK` blocks, row after row. Q4_1 and Q8_0: the same blocks
-    /// interleaved in groups of sixteen rows (`interleaved`), the last group padded.
+    /// The file's `rows * cols / QK` blocks interleaved in groups of sixteen rows
+    /// (`interleaved`), the last group padded.
     blocks: Vec<u8>,
 }
 
@@ -59,11 +53,7 @@ impl BlockMatrix {
         if !fits {
             return None;
         }
-        let blocks = if interleaved::holds(format) {
-            interleaved::interleave(format, blocks, rows, cols)
-        } else {
-            blocks
-        };
+        let blocks = interleaved::interleave(format, blocks, rows, cols);
         Some(Self {
             format,
             rows,
@@ -74,9 +64,6 @@ impl BlockMatrix {
 
     /// The blocks row after row, as the file stores them.
     fn into_file_blocks(self) -> Vec<u8> {
-        if !interleaved::holds(self.format) {
-            return self.blocks;
-        }
         let (nb, bb) = (self.cols / QK, self.format.block_bytes());
         let mut out = vec![0u8; self.rows * nb * bb];
         for (i, blk) in out.chunks_exact_mut(bb).enumerate() {
@@ -109,12 +96,15 @@ impl BlockMatrix {
     pub fn into_q8_0(self) -> Option<Self> {
         match self.format {
             Format::Q8_0 => Some(self),
-            Format::Q5_0 => Self::from_blocks(
-                Format::Q8_0,
-                q5_0_to_q8_0(&self.blocks),
-                self.rows,
-                self.cols,
-            ),
+            Format::Q5_0 => {
+                let (rows, cols) = (self.rows, self.cols);
+                Self::from_blocks(
+                    Format::Q8_0,
+                    q5_0_to_q8_0(&self.into_file_blocks()),
+                    rows,
+                    cols,
+                )
+            }
             Format::Q4_1 => None,
         }
     }
@@ -163,25 +153,13 @@ impl BlockMatrix {
         self.blocks.len()
     }
 
-    fn row_bytes(&self) -> usize {
-        self.cols / QK * self.format.block_bytes()
-    }
-
     /// Rows `r0..r1` dequantized into `out` (`(r1 - r0) * cols` floats, row-major).
     fn dequantize_rows(&self, r0: usize, r1: usize, out: &mut [f32]) {
-        if interleaved::holds(self.format) {
-            let nb = self.cols / QK;
-            for (r, row) in (r0..r1).zip(out.chunks_exact_mut(self.cols)) {
-                for (b, o) in row.chunks_exact_mut(QK).enumerate() {
-                    interleaved::dequantize_block(self.format, &self.blocks, nb, r, b, o);
-                }
+        let nb = self.cols / QK;
+        for (r, row) in (r0..r1).zip(out.chunks_exact_mut(self.cols)) {
+            for (b, o) in row.chunks_exact_mut(QK).enumerate() {
+                interleaved::dequantize_block(self.format, &self.blocks, nb, r, b, o);
             }
-        } else {
-            let rb = self.row_bytes();
-            self.format.dequantize(
-                &self.blocks[r0 * rb..r1 * rb],
-                &mut out[..(r1 - r0) * self.cols],
-            );
         }
     }
 
@@ -201,15 +179,10 @@ impl BlockMatrix {
         out
     }
 
-    /// `x` `(n, cols)` row-major -> `(n, rows)`: Q4_1 and Q8_0 through the integer
-    /// kernels at any `n`; Q5_0 through them below [`TILED_MIN_ROWS`] rows and through
-    /// dequantized tiles from there.
+    /// `x` `(n, cols)` row-major -> `(n, rows)` through the integer kernels, on the
+    /// instruction set that runs ([`Isa::active`]).
     pub fn matmul(&self, x: &[f32], n: usize) -> Vec<f32> {
-        if n < TILED_MIN_ROWS || interleaved::holds(self.format) {
-            self.quantized_product(x, n, Isa::active())
-        } else {
-            self.tiled_product(x, n)
-        }
+        self.quantized_product(x, n, Isa::active())
     }
 
     /// `x` `(n, cols)` -> `(n, rows)` with 8-bit activations on `isa` (the portable loop
@@ -217,74 +190,21 @@ impl BlockMatrix {
     ///
     /// Panics if `x` is not `n * cols` long.
     pub fn quantized_product(&self, x: &[f32], n: usize, isa: Isa) -> Vec<f32> {
-        self.product(x, n, isa, true)
-    }
-
-    /// [`BlockMatrix::quantized_product`] without the panel kernels: each weight row
-    /// against groups of up to four activation rows, as before panels existed. The
-    /// same floats; for measuring what the panels buy (`headwise bench kernels`). Q4_1
-    /// and Q8_0 have no panels: their interleaved kernels run either way.
-    pub fn grouped_product(&self, x: &[f32], n: usize, isa: Isa) -> Vec<f32> {
-        self.product(x, n, isa, false)
-    }
-
-    /// The product, with panels where `panels` and the instruction set has them.
-    fn product(&self, x: &[f32], n: usize, isa: Isa, panels: bool) -> Vec<f32> {
         assert_eq!(x.len(), n * self.cols, "activations do not fit the matrix");
-        let isa = Supported::new(isa);
         let acts: Vec<Activations> = x
             .par_chunks_exact(self.cols)
             .with_min_len(8)
             .map(Activations::quantize)
             .collect();
         let refs: Vec<&Activations> = acts.iter().collect();
-        let rb = self.row_bytes();
         let mut y = vec![0f32; n * self.rows];
-        if n == 0 {
-            return y;
+        if n > 0 {
+            self.interleaved_product(Supported::new(isa), &refs, &mut y);
         }
-        if interleaved::holds(self.format) {
-            self.interleaved_product(isa, &refs, &mut y);
-            return y;
-        }
-        // Q5_0, several rows: panels of up to six, each weight row read once per panel
-        // (one row keeps the one-row kernel, tuned for decode latency).
-        let per_panel = panel::PANEL;
-        let panels: Vec<Panel> = if panels && n > 1 && panel::runs(isa) {
-            refs.chunks(per_panel).map(Panel::new).collect()
-        } else {
-            Vec::new()
-        };
-        let out = Columns(y.as_mut_ptr());
-        (0..self.rows.div_ceil(ROWS_PER_TASK))
-            .into_par_iter()
-            .for_each(|c| {
-                let mut o = vec![0f32; n];
-                for r in c * ROWS_PER_TASK..((c + 1) * ROWS_PER_TASK).min(self.rows) {
-                    let w = &self.blocks[r * rb..(r + 1) * rb];
-                    if panels.is_empty() {
-                        for (xs, os) in refs.chunks(4).zip(o.chunks_mut(4)) {
-                            q5_0_group(isa, xs, w, os);
-                        }
-                    } else {
-                        for (p, os) in panels.iter().zip(o.chunks_mut(per_panel)) {
-                            panel::weight_row(isa, p, w, os);
-                        }
-                    }
-                    // Written in place, as the rows come: a task's consecutive weight
-                    // rows fill consecutive floats of each output row.
-                    for (i, v) in o.iter().enumerate() {
-                        // SAFETY: `i < n` and `r < rows`, so the element lies inside
-                        // `y` (`n * rows` long, alive until every task is done), and
-                        // column `r` is written by this task alone.
-                        unsafe { out.at(i * self.rows + r).write(*v) };
-                    }
-                }
-            });
         y
     }
 
-    /// The product of interleaved weights with `xs` into `y` `(xs.len(), rows)`: each task
+    /// The product of the weights with `xs` into `y` `(xs.len(), rows)`: each task
     /// takes whole groups of sixteen weight rows.
     fn interleaved_product(&self, isa: Supported, xs: &[&Activations], y: &mut [f32]) {
         let (n, nb) = (xs.len(), self.cols / QK);
@@ -436,21 +356,6 @@ impl Columns {
     }
 }
 
-/// One Q5_0 weight row against up to four activation rows, into `out`.
-fn q5_0_group(isa: Supported, xs: &[&Activations], w: &[u8], out: &mut [f32]) {
-    match *xs {
-        [a] => out.copy_from_slice(&weight_row(isa, [a], w)),
-        [a, b] => out.copy_from_slice(&weight_row(isa, [a, b], w)),
-        [a, b, c] => out.copy_from_slice(&weight_row(isa, [a, b, c], w)),
-        [a, b, c, d] => out.copy_from_slice(&weight_row(isa, [a, b, c, d], w)),
-        _ => {
-            for (x, o) in xs.iter().zip(out) {
-                *o = weight_row(isa, [*x], w)[0];
-            }
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use candle_core::quantized::{GgmlDType, QTensor};
@@ -509,27 +414,23 @@ mod tests {
     #[test]
     fn every_instruction_set_computes_the_portable_floats() {
         for format in Format::ALL {
-            // 3 and 18 blocks per row: odd and even counts for the two accumulators.
+            // 70 rows: five groups, the last one padded; 3 and 18 blocks per row
             for (rows, cols) in [(70, 96), (9, 576)] {
                 let m = random_blocks(format, rows, cols, 11 + cols as u32);
-                // 5 rows: one panel; 17: panels of 16 and 1 (Q4_1 and Q8_0 on AVX-512
-                // VNNI) or of 6, 6 and 5; and both in groups of four
+                // 5 rows: one pass on every set; 17: passes of 8, 8 and 1 on AVX-512, of
+                // 4 and a remainder of 1 on the 256-bit sets
                 for n in [5, 17] {
                     let mut x = floats(n * cols, 5, 40.0);
                     x[3] = 1e4; // one block whose other codes round to zero
                     let reference = m.quantized_product(&x, n, Isa::Portable);
                     for isa in Isa::available() {
-                        for got in [
-                            m.quantized_product(&x, n, isa),
-                            m.grouped_product(&x, n, isa),
-                        ] {
-                            assert!(
-                                got.iter()
-                                    .zip(&reference)
-                                    .all(|(a, b)| a.to_bits() == b.to_bits()),
-                                "{format:?} {rows}x{cols}, {n} rows: {isa} differs from the portable loop"
-                            );
-                        }
+                        let got = m.quantized_product(&x, n, isa);
+                        assert!(
+                            got.iter()
+                                .zip(&reference)
+                                .all(|(a, b)| a.to_bits() == b.to_bits()),
+                            "{format:?} {rows}x{cols}, {n} rows: {isa} differs from the portable loop"
+                        );
                     }
                 }
             }
@@ -537,25 +438,32 @@ mod tests {
     }
 
     #[test]
-    fn q4_1_sums_at_their_extremes_are_exact_on_every_instruction_set() {
-        // Every code 15 against activations that all quantize to 127 or all to -127: the
-        // largest integer sums a Q4_1 block can have (AVX2 holds them in i16 lanes).
+    fn sums_at_their_extremes_are_exact_on_every_instruction_set() {
+        // Every code at its largest (Q4_1 15, Q5_0 31: the value 15) against activations
+        // that all quantize to 127 or all to -127: the largest integer sums a Q4_1 block
+        // or a Q5_0 half block can have (AVX2 holds them in i16 lanes).
         let (rows, cols) = (16, 64);
-        let mut blocks = Vec::new();
-        for _ in 0..rows * cols / QK {
-            blocks.extend(half::f16::from_f32(1.0).to_le_bytes());
-            blocks.extend(half::f16::from_f32(0.0).to_le_bytes());
-            blocks.extend([0xFFu8; QK / 2]);
-        }
-        let m = BlockMatrix::from_blocks(Format::Q4_1, blocks, rows, cols).unwrap();
-        let x: Vec<f32> = [1.0f32, -1.0].iter().flat_map(|&v| vec![v; cols]).collect();
-        for isa in Isa::available() {
-            let y = m.quantized_product(&x, 2, isa);
-            // Each output is sum(15 * 127) * d_x over the row, d_x = 1 / 127.
-            let want = 15.0 * cols as f32;
-            for (i, v) in y.iter().enumerate() {
-                let sign = if i < rows { 1.0 } else { -1.0 };
-                assert!((v - sign * want).abs() < 1e-3, "{isa}: {i}: {v}");
+        for format in [Format::Q4_1, Format::Q5_0] {
+            let mut blocks = Vec::new();
+            for _ in 0..rows * cols / QK {
+                blocks.extend(half::f16::from_f32(1.0).to_le_bytes());
+                if format == Format::Q4_1 {
+                    blocks.extend(half::f16::from_f32(0.0).to_le_bytes());
+                } else {
+                    blocks.extend([0xFFu8; 4]); // every fifth bit set
+                }
+                blocks.extend([0xFFu8; QK / 2]);
+            }
+            let m = BlockMatrix::from_blocks(format, blocks, rows, cols).unwrap();
+            let x: Vec<f32> = [1.0f32, -1.0].iter().flat_map(|&v| vec![v; cols]).collect();
+            for isa in Isa::available() {
+                let y = m.quantized_product(&x, 2, isa);
+                // Each output is sum(15 * 127) * d_x over the row, d_x = 1 / 127.
+                let want = 15.0 * cols as f32;
+                for (i, v) in y.iter().enumerate() {
+                    let sign = if i < rows { 1.0 } else { -1.0 };
+                    assert!((v - sign * want).abs() < 1e-3, "{format:?} {isa}: {i}: {v}");
+                }
             }
         }
     }
@@ -587,7 +495,7 @@ mod tests {
 
     #[test]
     fn a_row_gives_the_same_bits_in_any_batch() {
-        // up to 33 rows: panels of 16 or 6 with remainders, beyond the tiled threshold
+        // up to 33 rows: passes of 8 or 4 with remainders
         let (rows, cols, n) = (33, 64, 33);
         for format in Format::ALL {
             let m = random_blocks(format, rows, cols, 3);
@@ -638,7 +546,7 @@ mod tests {
             let (rows, cols) = (100, 192);
             let m = random_blocks(format, rows, cols, 31);
             let w = m.dequantize();
-            for n in [TILED_MIN_ROWS, 37] {
+            for n in [8, 37] {
                 let x = floats(n * cols, 32 + n as u32, 2.0);
                 let got = m.tiled_product(&x, n);
                 let (want, scale) = exact(&w, &x, rows, cols);
@@ -651,13 +559,8 @@ mod tests {
                         "{format:?} n={n} {i}: {g} vs {e}"
                     );
                 }
-                // Prefill's product: the tiles for Q5_0, the integer kernels otherwise.
-                let prefill = if format == Format::Q5_0 {
-                    got
-                } else {
-                    m.quantized_product(&x, n, Isa::active())
-                };
-                assert_eq!(m.matmul(&x, n), prefill);
+                // Prefill's product is the integer kernels'.
+                assert_eq!(m.matmul(&x, n), m.quantized_product(&x, n, Isa::active()));
             }
         }
     }
