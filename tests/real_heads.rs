@@ -139,8 +139,10 @@ fn an_interrupted_run_resumes_grows_and_holds_back_a_ranking_on_too_few_trials()
     assert!(!dir.join("wu-niah.json").exists());
     let lines = std::fs::read_to_string(&partial).unwrap().lines().count();
     assert_eq!(lines, 3, "header and two trials");
-    // A larger grid (a third seed) reuses both and runs only the new trial.
-    let (ok, err) = score("3", "1");
+    // A larger grid reuses both and runs only the new trials: four more seeds, so that
+    // the model answers at least one (with the integer prefill it misses seeds 1 and 2
+    // and answers seed 3; with f32 prefill tiles it answered one of the first two).
+    let (ok, err) = score("6", "1");
     assert!(ok, "{err}");
     assert!(err.contains("resuming: 2 trials already done"), "{err}");
     for method in ["wu", "locos"] {
@@ -150,7 +152,7 @@ fn an_interrupted_run_resumes_grows_and_holds_back_a_ranking_on_too_few_trials()
         let p = &ranking.provenance;
         assert_eq!(
             (p.trials_run, p.task["seeds"].as_array().unwrap().len()),
-            (3, 3)
+            (6, 6)
         );
         let ks: Vec<usize> = p.stability.iter().map(|s| s.k).collect();
         assert_eq!(ks, [5, 10, 20]);
