@@ -57,8 +57,10 @@ impl Format {
 
     /// Dequantize whole blocks `blocks` into `out` (`QK` floats per block), with the
     /// arithmetic of ggml's `dequantize_row_*` (`q * d + m`, `(q - 16) * d`, `q * d`): the
-    /// values candle's `QTensor::dequantize` gives.
-    pub fn dequantize(self, blocks: &[u8], out: &mut [f32]) {
+    /// values candle's `QTensor::dequantize` gives. The tests' reading of the file layout,
+    /// against which the interleaved blocks are checked (the kernels read those in place).
+    #[cfg(test)]
+    pub(super) fn dequantize(self, blocks: &[u8], out: &mut [f32]) {
         // Written as straight loops over the block's two halves, which the compiler turns
         // into vector code; each value is the same one product (and, for Q4_1, one sum).
         for (blk, o) in blocks

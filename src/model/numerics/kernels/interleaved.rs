@@ -124,8 +124,8 @@ pub(super) fn file_block(
 }
 
 /// Block `b` of row `r` of interleaved `data` (`format`, `nb` blocks per row) as its
-/// [`QK`] values, with [`Format::dequantize`]'s arithmetic (`q * d + m`, `(q - 16) * d`,
-/// `q * d`), read in place.
+/// [`QK`] values, with the arithmetic of ggml's `dequantize_row_*` (`q * d + m`,
+/// `(q - 16) * d`, `q * d`), read in place.
 pub(super) fn dequantize_block(
     format: Format,
     data: &[u8],
